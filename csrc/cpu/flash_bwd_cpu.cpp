@@ -1,0 +1,127 @@
+// CPU backward: per (batch, query head), walk the key/value blocks; for each, recompute P tile by
+// tile from Q, K and the logsumexp, and accumulate dV, dK (per block) and dQ (per head).
+#include <ATen/Parallel.h>
+
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "cpu_gemm.h"
+#include "dropout_tile.h"
+#include "flash_cpu.h"
+#include "row_ops.h"
+#include "tile_geometry.h"
+
+namespace flash::cpu {
+namespace {
+
+constexpr int kBlockM = 64;   // query rows per tile
+constexpr int kBlockN = 128;  // keys per block
+constexpr float kLog2e = 1.4426950408889634f;
+
+struct HeadGrads {
+  const float *q, *k, *v, *o, *dout, *lse;
+  float *dq, *dk_accum, *dv_accum;
+  uint32_t bh;
+};
+
+HeadGrads head_grads(const BwdParams& p, int b, int h) {
+  const int hk = h / p.h_h_k_ratio;
+  HeadGrads g;
+  g.q = static_cast<const float*>(p.q_ptr) + b * p.q_batch_stride + h * p.q_head_stride;
+  g.k = static_cast<const float*>(p.k_ptr) + b * p.k_batch_stride + hk * p.k_head_stride;
+  g.v = static_cast<const float*>(p.v_ptr) + b * p.v_batch_stride + hk * p.v_head_stride;
+  g.o = static_cast<const float*>(p.o_ptr) + b * p.o_batch_stride + h * p.o_head_stride;
+  g.dout = static_cast<const float*>(p.do_ptr) + b * p.do_batch_stride + h * p.do_head_stride;
+  g.dq = static_cast<float*>(p.dq_ptr) + b * p.dq_batch_stride + h * p.dq_head_stride;
+  g.bh = uint32_t(int64_t(b) * p.h + h);
+  g.lse = p.softmax_lse_ptr + int64_t(g.bh) * p.seqlen_q;
+  g.dk_accum = p.dk_accum_ptr + int64_t(g.bh) * p.seqlen_k * p.d;
+  g.dv_accum = p.dv_accum_ptr + int64_t(g.bh) * p.seqlen_k * p.d;
+  return g;
+}
+
+struct Scratch {
+  std::vector<float> dq, rowsum_do_o, p, dp, dk, dv;
+  std::vector<uint8_t> keep;
+  Scratch(const BwdParams& prm)
+      : dq(int64_t(prm.seqlen_q) * prm.d), rowsum_do_o(prm.seqlen_q), p(kBlockM * kBlockN),
+        dp(kBlockM * kBlockN), dk(kBlockN * prm.d), dv(kBlockN * prm.d),
+        keep(prm.p_dropout > 0.f ? kBlockM * kBlockN : 0) {}
+};
+
+// One (query tile, key block) step: P, dV += P_drop^T dO, dP, dS, dK += dS^T Q, dQ += dS K.
+void tile_step(const BwdParams& p, const HeadGrads& g, int i0, int rows, int j0, int cols, Scratch& w) {
+  const int d = p.d;
+  const bool dropout = p.p_dropout > 0.f;
+  float* P = w.p.data();
+  float* dP = w.dp.data();
+  const float* q_i = g.q + i0 * p.q_row_stride;
+  const float* do_i = g.dout + i0 * p.do_row_stride;
+
+  gemm_rowmajor(false, true, rows, cols, d, 1.f, q_i, p.q_row_stride, g.k + j0 * p.k_row_stride,
+                p.k_row_stride, 0.f, P, kBlockN);
+  if (dropout)
+    dropout_keep_tile(w.keep.data(), kBlockN, i0, rows, j0, cols, g.bh, p.philox_seed,
+                      p.philox_offset, p.dropout_threshold16);
+  for (int r = 0; r < rows; ++r) {
+    float* prow = P + r * kBlockN;
+    const ColRange c = clip_to_tile(row_cols(p, i0 + r), j0, cols);
+    if (c.hi > c.lo)
+      exp2_rescale_sum(prow + c.lo, c.hi - c.lo, p.scale_softmax_log2, g.lse[i0 + r] * kLog2e);
+    fill_row(prow, c.lo, 0.f);
+    fill_row(prow + c.hi, cols - c.hi, 0.f);
+    if (dropout) apply_keep(dP + r * kBlockN, prow, w.keep.data() + r * kBlockN, cols, p.rp_dropout);
+  }
+  // dV_j += P_drop^T dO_i (P_drop staged in dP when dropout is on)
+  gemm_rowmajor(true, false, cols, d, rows, 1.f, dropout ? dP : P, kBlockN, do_i, p.do_row_stride, 1.f,
+                w.dv.data(), d);
+  // dP = dO_i V_j^T
+  gemm_rowmajor(false, true, rows, cols, d, 1.f, do_i, p.do_row_stride, g.v + j0 * p.v_row_stride,
+                p.v_row_stride, 0.f, dP, kBlockN);
+  for (int r = 0; r < rows; ++r) {
+    float* dprow = dP + r * kBlockN;
+    if (dropout) apply_keep(dprow, dprow, w.keep.data() + r * kBlockN, cols, p.rp_dropout);
+    softmax_grad_row(P + r * kBlockN, dprow, cols, w.rowsum_do_o[i0 + r]);  // P becomes dS
+  }
+  // dK_j += scale * dS^T Q_i ; dQ_i += scale * dS K_j
+  gemm_rowmajor(true, false, cols, d, rows, p.scale_softmax, P, kBlockN, q_i, p.q_row_stride, 1.f,
+                w.dk.data(), d);
+  gemm_rowmajor(false, false, rows, d, cols, p.scale_softmax, P, kBlockN, g.k + j0 * p.k_row_stride,
+                p.k_row_stride, 1.f, w.dq.data() + int64_t(i0) * d, d);
+}
+
+void head_backward(const BwdParams& p, const HeadGrads& g, Scratch& w) {
+  const int d = p.d;
+  // D = rowsum(dO * O): the softmax-gradient correction, identical with or without dropout.
+  for (int i = 0; i < p.seqlen_q; ++i)
+    w.rowsum_do_o[i] = dot(g.dout + i * p.do_row_stride, g.o + i * p.o_row_stride, d);
+  std::fill(w.dq.begin(), w.dq.end(), 0.f);
+
+  for (int j0 = 0; j0 < p.seqlen_k; j0 += kBlockN) {
+    const int cols = std::min(kBlockN, p.seqlen_k - j0);
+    std::fill(w.dk.begin(), w.dk.end(), 0.f);
+    std::fill(w.dv.begin(), w.dv.end(), 0.f);
+    for (int i0 = 0; i0 < p.seqlen_q; i0 += kBlockM) {
+      const int rows = std::min(kBlockM, p.seqlen_q - i0);
+      if (tile_visible(p, i0, i0 + rows, j0, j0 + cols)) tile_step(p, g, i0, rows, j0, cols, w);
+    }
+    std::copy(w.dk.begin(), w.dk.begin() + int64_t(cols) * d, g.dk_accum + int64_t(j0) * d);
+    std::copy(w.dv.begin(), w.dv.begin() + int64_t(cols) * d, g.dv_accum + int64_t(j0) * d);
+  }
+  for (int i = 0; i < p.seqlen_q; ++i)
+    std::copy(w.dq.begin() + int64_t(i) * d, w.dq.begin() + int64_t(i + 1) * d, g.dq + i * p.dq_row_stride);
+}
+
+}  // namespace
+
+void run_bwd(const BwdParams& p) {
+  const int64_t tasks = int64_t(p.b) * p.h;
+  if (tasks == 0) return;
+  at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
+    Scratch w(p);
+    for (int64_t t = begin; t < end; ++t) head_backward(p, head_grads(p, int(t / p.h), int(t % p.h)), w);
+  });
+}
+
+}  // namespace flash::cpu

@@ -1,0 +1,149 @@
+// CPU forward: for each (batch, head, query block) stream the key/value blocks, keep a running
+// row max and sum, rescale the accumulator, and never hold more than one tile of scores.
+#include <ATen/Parallel.h>
+
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "cpu_gemm.h"
+#include "dropout_tile.h"
+#include "flash_cpu.h"
+#include "row_ops.h"
+#include "tile_geometry.h"
+
+namespace flash::cpu {
+namespace {
+
+constexpr int kBlockM = 256;  // query rows per task
+constexpr int kBlockN = 512;  // keys per tile
+constexpr float kLn2 = 0.6931471805599453f;
+constexpr float kInf = std::numeric_limits<float>::infinity();
+
+struct HeadView {
+  const float* q;
+  const float* k;
+  const float* v;
+  float* o;
+  float* lse;
+  float* probs;  // (seqlen_q, seqlen_k) for this head, or nullptr
+  uint32_t bh;
+};
+
+HeadView head_view(const FwdParams& p, int b, int h) {
+  const int hk = h / p.h_h_k_ratio;
+  HeadView v;
+  v.q = static_cast<const float*>(p.q_ptr) + b * p.q_batch_stride + h * p.q_head_stride;
+  v.k = static_cast<const float*>(p.k_ptr) + b * p.k_batch_stride + hk * p.k_head_stride;
+  v.v = static_cast<const float*>(p.v_ptr) + b * p.v_batch_stride + hk * p.v_head_stride;
+  v.o = static_cast<float*>(p.o_ptr) + b * p.o_batch_stride + h * p.o_head_stride;
+  v.bh = uint32_t(int64_t(b) * p.h + h);
+  v.lse = p.softmax_lse_ptr + int64_t(v.bh) * p.seqlen_q;
+  v.probs = p.p_ptr ? p.p_ptr + int64_t(v.bh) * p.seqlen_q * p.seqlen_k : nullptr;
+  return v;
+}
+
+struct Scratch {
+  std::vector<float> s, acc, m, l;
+  std::vector<uint8_t> keep;
+  Scratch(int d, bool dropout)
+      : s(kBlockM * kBlockN), acc(kBlockM * d), m(kBlockM), l(kBlockM),
+        keep(dropout ? kBlockM * kBlockN : 0) {}
+};
+
+// Scores of rows [i0, i0+rows) against keys [j0, j0+cols) into s (ld kBlockN).
+void score_tile(const FwdParams& p, const HeadView& hv, int i0, int rows, int j0, int cols, float* s) {
+  gemm_rowmajor(false, true, rows, cols, p.d, 1.f, hv.q + i0 * p.q_row_stride, p.q_row_stride,
+                hv.k + j0 * p.k_row_stride, p.k_row_stride, 0.f, s, kBlockN);
+}
+
+void query_block(const FwdParams& p, const HeadView& hv, int i0, Scratch& w) {
+  const int rows = std::min(kBlockM, p.seqlen_q - i0), d = p.d;
+  const bool dropout = p.p_dropout > 0.f;
+  std::fill(w.acc.begin(), w.acc.end(), 0.f);
+  std::fill(w.m.begin(), w.m.end(), -kInf);
+  std::fill(w.l.begin(), w.l.end(), 0.f);
+
+  const ColRange span = block_cols(p, i0, i0 + rows);
+  for (int j0 = span.lo - span.lo % kBlockN; j0 < span.hi; j0 += kBlockN) {
+    const int cols = std::min(kBlockN, p.seqlen_k - j0);
+    score_tile(p, hv, i0, rows, j0, cols, w.s.data());
+    if (dropout)
+      dropout_keep_tile(w.keep.data(), kBlockN, i0, rows, j0, cols, hv.bh, p.philox_seed,
+                        p.philox_offset, p.dropout_threshold16);
+    for (int r = 0; r < rows; ++r) {
+      float* srow = w.s.data() + r * kBlockN;
+      const ColRange c = clip_to_tile(row_cols(p, i0 + r), j0, cols);
+      if (c.hi <= c.lo) {  // nothing visible in this tile: contributes zero
+        fill_row(srow, cols, 0.f);
+        continue;
+      }
+      const float m_new = std::max(w.m[r], row_max(srow + c.lo, c.hi - c.lo) * p.scale_softmax_log2);
+      const float alpha = std::exp2(w.m[r] - m_new);  // 0 when the row had no max yet
+      const float sum = exp2_rescale_sum(srow + c.lo, c.hi - c.lo, p.scale_softmax_log2, m_new);
+      fill_row(srow, c.lo, 0.f);
+      fill_row(srow + c.hi, cols - c.hi, 0.f);
+      w.l[r] = w.l[r] * alpha + sum;
+      w.m[r] = m_new;
+      if (alpha != 1.f) scale_row(w.acc.data() + r * d, d, alpha);
+      if (dropout) apply_keep(srow, srow, w.keep.data() + r * kBlockN, cols, p.rp_dropout);
+    }
+    // acc += P V
+    gemm_rowmajor(false, false, rows, d, cols, 1.f, w.s.data(), kBlockN, hv.v + j0 * p.v_row_stride,
+                  p.v_row_stride, 1.f, w.acc.data(), d);
+  }
+
+  for (int r = 0; r < rows; ++r) {
+    float* orow = hv.o + (i0 + r) * p.o_row_stride;
+    const float* arow = w.acc.data() + r * d;
+    const float inv = w.l[r] > 0.f ? 1.f / w.l[r] : 0.f;
+    for (int c = 0; c < d; ++c) orow[c] = arow[c] * inv;
+    hv.lse[i0 + r] = w.l[r] > 0.f ? (w.m[r] + std::log2(w.l[r])) * kLn2 : -kInf;
+  }
+}
+
+// The exact probabilities for return_attn_probs: recomputed once the row's logsumexp is known.
+void write_probs(const FwdParams& p, const HeadView& hv, int i0, Scratch& w) {
+  const int rows = std::min(kBlockM, p.seqlen_q - i0);
+  const bool dropout = p.p_dropout > 0.f;
+  constexpr float kLog2e = 1.4426950408889634f;
+  for (int j0 = 0; j0 < p.seqlen_k; j0 += kBlockN) {
+    const int cols = std::min(kBlockN, p.seqlen_k - j0);
+    score_tile(p, hv, i0, rows, j0, cols, w.s.data());
+    if (dropout)
+      dropout_keep_tile(w.keep.data(), kBlockN, i0, rows, j0, cols, hv.bh, p.philox_seed,
+                        p.philox_offset, p.dropout_threshold16);
+    for (int r = 0; r < rows; ++r) {
+      float* srow = w.s.data() + r * kBlockN;
+      float* dst = hv.probs + int64_t(i0 + r) * p.seqlen_k + j0;
+      const ColRange c = clip_to_tile(row_cols(p, i0 + r), j0, cols);
+      const float shift = hv.lse[i0 + r] * kLog2e;
+      for (int col = 0; col < cols; ++col) {
+        float prob = (col >= c.lo && col < c.hi) ? std::exp2(srow[col] * p.scale_softmax_log2 - shift) : 0.f;
+        if (dropout && !w.keep[r * kBlockN + col]) prob = -prob;  // dropped: stored negated
+        dst[col] = prob;
+      }
+    }
+  }
+}
+
+}  // namespace
+
+void run_fwd(const FwdParams& p) {
+  const int n_mblocks = ceil_div(p.seqlen_q, kBlockM);
+  const int64_t tasks = int64_t(p.b) * p.h * n_mblocks;
+  if (tasks == 0) return;
+  at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
+    Scratch w(p.d, p.p_dropout > 0.f);
+    for (int64_t t = begin; t < end; ++t) {
+      const int mb = int(t % n_mblocks);
+      const int h = int((t / n_mblocks) % p.h);
+      const int b = int(t / (int64_t(n_mblocks) * p.h));
+      const HeadView hv = head_view(p, b, h);
+      query_block(p, hv, mb * kBlockM, w);
+      if (hv.probs) write_probs(p, hv, mb * kBlockM, w);
+    }
+  });
+}
+
+}  // namespace flash::cpu

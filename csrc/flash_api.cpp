@@ -1,0 +1,287 @@
+// The op layer: schemas, argument checks with clear messages, output allocation, and the
+// hand-off of one filled params struct to the CPU or CUDA implementation.
+#include <ATen/ATen.h>
+#include <ATen/CPUGeneratorImpl.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <limits>
+#include <mutex>
+#include <optional>
+#include <tuple>
+
+#include "cpu/flash_cpu.h"
+#include "flash_params.h"
+
+#ifdef FLASH_ATTN_WITH_CUDA
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+
+#include "cuda/flash_launch.h"
+#endif
+
+namespace flash {
+namespace {
+
+constexpr int64_t kMaxHeadDim = 256;
+
+struct Shapes {
+  int b, seqlen_q, seqlen_k, h, h_k, d;
+};
+
+bool supported_dtype(at::ScalarType t) {
+  return t == at::kHalf || t == at::kBFloat16 || t == at::kFloat;
+}
+
+DType to_dtype(at::ScalarType t) {
+  return t == at::kHalf ? DType::kFloat16 : t == at::kBFloat16 ? DType::kBFloat16 : DType::kFloat32;
+}
+
+int checked_int(int64_t v, const char* what) {
+  TORCH_CHECK(v <= std::numeric_limits<int>::max(), "flash_attn: ", what, " must fit in 32 bits, got ", v);
+  return int(v);
+}
+
+// Rank, dtype, device and last-dim contiguity of one (batch, seqlen, heads, headdim) operand.
+void check_operand(const at::Tensor& t, const char* name, const at::Tensor& q) {
+  TORCH_CHECK(t.defined(), "flash_attn: ", name, " must be a tensor, got None");
+  TORCH_CHECK(t.dim() == 4, "flash_attn: ", name,
+              " must have shape (batch, seqlen, nheads, headdim), got a tensor of rank ", t.dim(),
+              " with shape ", t.sizes());
+  TORCH_CHECK(supported_dtype(t.scalar_type()), "flash_attn: ", name,
+              " must be float16, bfloat16 or float32, got ", t.scalar_type());
+  TORCH_CHECK(t.scalar_type() == q.scalar_type(), "flash_attn: ", name, " must have the dtype of q (",
+              q.scalar_type(), "), got ", t.scalar_type());
+  TORCH_CHECK(t.device() == q.device(), "flash_attn: ", name, " must be on the device of q (", q.device(),
+              "), got ", t.device());
+  TORCH_CHECK(t.stride(-1) == 1 || t.size(-1) <= 1, "flash_attn: ", name,
+              " must have a contiguous last dimension (stride 1), got stride ", t.stride(-1),
+              "; call .contiguous() first");
+}
+
+Shapes check_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+  check_operand(q, "q", q);
+  check_operand(k, "k", q);
+  check_operand(v, "v", q);
+  TORCH_CHECK(q.device().is_cpu() || q.device().is_cuda(), "flash_attn: q must be on a CPU or CUDA device, got ",
+              q.device());
+  TORCH_CHECK(k.size(0) == q.size(0) && v.size(0) == q.size(0), "flash_attn: q, k and v must have the same batch size, got ",
+              q.size(0), ", ", k.size(0), " and ", v.size(0));
+  TORCH_CHECK(k.size(3) == q.size(3) && v.size(3) == q.size(3), "flash_attn: q, k and v must have the same head dim, got ",
+              q.size(3), ", ", k.size(3), " and ", v.size(3));
+  TORCH_CHECK(v.size(1) == k.size(1), "flash_attn: k and v must have the same seqlen, got ", k.size(1), " and ",
+              v.size(1));
+  TORCH_CHECK(v.size(2) == k.size(2), "flash_attn: k and v must have the same number of heads, got ", k.size(2),
+              " and ", v.size(2));
+  const int64_t d = q.size(3);
+  TORCH_CHECK(d >= 1 && d <= kMaxHeadDim, "flash_attn: head dim must be between 1 and ", kMaxHeadDim, ", got ", d);
+  TORCH_CHECK(k.size(2) >= 1 && q.size(2) % k.size(2) == 0,
+              "flash_attn: the number of query heads must be a multiple of the number of key/value heads, got ",
+              q.size(2), " query heads and ", k.size(2), " key/value heads");
+  return Shapes{checked_int(q.size(0), "batch"), checked_int(q.size(1), "seqlen_q"),
+                checked_int(k.size(1), "seqlen_k"), checked_int(q.size(2), "nheads"),
+                checked_int(k.size(2), "nheads_k"), int(d)};
+}
+
+void check_scalars(double dropout_p, double scale, int64_t window_left, int64_t window_right) {
+  TORCH_CHECK(dropout_p >= 0.0 && dropout_p < 1.0, "flash_attn: dropout_p must be in [0, 1), got ", dropout_p);
+  TORCH_CHECK(std::isfinite(scale), "flash_attn: softmax_scale must be finite, got ", scale);
+  TORCH_CHECK(window_left >= -1 && window_right >= -1,
+              "flash_attn: window sizes must be -1 (unbounded) or >= 0, got (", window_left, ", ", window_right, ")");
+}
+
+void set_strides(const at::Tensor& t, int64_t& batch, int64_t& row, int64_t& head) {
+  batch = t.stride(0);
+  row = t.stride(1);
+  head = t.stride(2);
+}
+
+// Everything the forward and backward share: pointers, strides, sizes, scale, mask, dropout.
+void set_fwd_params(FwdParams& p, const Shapes& s, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                    const at::Tensor& out, const at::Tensor& lse, double dropout_p, double scale, bool causal,
+                    int64_t window_left, int64_t window_right) {
+  p.q_ptr = q.data_ptr();
+  p.k_ptr = k.data_ptr();
+  p.v_ptr = v.data_ptr();
+  p.o_ptr = out.data_ptr();
+  set_strides(q, p.q_batch_stride, p.q_row_stride, p.q_head_stride);
+  set_strides(k, p.k_batch_stride, p.k_row_stride, p.k_head_stride);
+  set_strides(v, p.v_batch_stride, p.v_row_stride, p.v_head_stride);
+  set_strides(out, p.o_batch_stride, p.o_row_stride, p.o_head_stride);
+  p.softmax_lse_ptr = lse.data_ptr<float>();
+  p.b = s.b;
+  p.seqlen_q = s.seqlen_q;
+  p.seqlen_k = s.seqlen_k;
+  p.h = s.h;
+  p.h_k = s.h_k;
+  p.h_h_k_ratio = s.h / s.h_k;
+  p.d = s.d;
+  p.scale_softmax = float(scale);
+  p.scale_softmax_log2 = float(scale * M_LOG2E);
+  p.is_causal = causal;
+  p.window_size_left = int(std::min<int64_t>(window_left, std::numeric_limits<int>::max()));
+  p.window_size_right = causal ? 0 : int(std::min<int64_t>(window_right, std::numeric_limits<int>::max()));
+  p.p_dropout = float(dropout_p);
+  p.rp_dropout = float(1.0 / (1.0 - dropout_p));
+  p.dropout_threshold16 = uint32_t(std::llround(dropout_p * 65536.0));
+  p.dtype = to_dtype(q.scalar_type());
+}
+
+at::Tensor as_float(const at::Tensor& t) { return t.scalar_type() == at::kFloat ? t : t.to(at::kFloat); }
+
+double default_scale(std::optional<double> scale, int d) { return scale.value_or(1.0 / std::sqrt(double(d))); }
+
+// Seed for one dropout call on the CPU, drawn from the default CPU generator (torch.manual_seed).
+uint64_t draw_cpu_seed() {
+  auto* gen = at::check_generator<at::CPUGeneratorImpl>(at::detail::getDefaultCPUGenerator());
+  std::lock_guard<std::mutex> lock(gen->mutex_);
+  return gen->random64();
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> mha_fwd(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double dropout_p,
+    std::optional<double> softmax_scale, bool causal, int64_t window_size_left, int64_t window_size_right,
+    bool return_softmax, bool deterministic) {
+  const Shapes s = check_qkv(q, k, v);
+  const double scale = default_scale(softmax_scale, s.d);
+  check_scalars(dropout_p, scale, window_size_left, window_size_right);
+  (void)deterministic;  // the forward is deterministic; the flag rides along for the backward
+
+  const auto opts = q.options();
+  at::Tensor out = at::empty({s.b, s.seqlen_q, s.h, s.d}, opts);
+  at::Tensor lse = at::empty({s.b, s.h, s.seqlen_q}, opts.dtype(at::kFloat));
+  at::Tensor probs = return_softmax ? at::empty({s.b, s.h, s.seqlen_q, s.seqlen_k}, opts.dtype(at::kFloat))
+                                    : at::empty({0}, opts);
+  at::Tensor rng_state = at::zeros({2}, opts.dtype(at::kLong));
+
+#ifdef FLASH_ATTN_WITH_CUDA
+  if (q.is_cuda()) {
+    c10::cuda::CUDAGuard guard(q.device());
+    FwdParams p;
+    set_fwd_params(p, s, q, k, v, out, lse, dropout_p, scale, causal, window_size_left, window_size_right);
+    p.p_ptr = return_softmax ? probs.data_ptr<float>() : nullptr;
+    cuda::run_fwd(p, at::cuda::getCurrentCUDAStream().stream());
+    return {out, lse, return_softmax ? probs.to(q.scalar_type()) : probs, rng_state};
+  }
+#endif
+
+  const at::Tensor qf = as_float(q), kf = as_float(k), vf = as_float(v);
+  at::Tensor out_f = q.scalar_type() == at::kFloat ? out : at::empty(out.sizes(), opts.dtype(at::kFloat));
+  FwdParams p;
+  set_fwd_params(p, s, qf, kf, vf, out_f, lse, dropout_p, scale, causal, window_size_left, window_size_right);
+  p.p_ptr = return_softmax ? probs.data_ptr<float>() : nullptr;
+  if (dropout_p > 0.0) {
+    p.philox_seed = draw_cpu_seed();
+    p.philox_offset = 0;
+    rng_state.data_ptr<int64_t>()[0] = int64_t(p.philox_seed);
+  }
+  cpu::run_fwd(p);
+  if (!out_f.is_same(out)) out.copy_(out_f);
+  return {out, lse, return_softmax ? probs.to(q.scalar_type()) : probs, rng_state};
+}
+
+void check_bwd_inputs(const Shapes& s, const at::Tensor& q, const at::Tensor& dout, const at::Tensor& out,
+                      const at::Tensor& lse, double dropout_p, const std::optional<at::Tensor>& rng_state) {
+  check_operand(dout, "dout", q);
+  check_operand(out, "out", q);
+  TORCH_CHECK(dout.sizes() == q.sizes(), "flash_attn: dout must have the shape of q ", q.sizes(), ", got ", dout.sizes());
+  TORCH_CHECK(out.sizes() == q.sizes(), "flash_attn: out must have the shape of q ", q.sizes(), ", got ", out.sizes());
+  TORCH_CHECK(lse.scalar_type() == at::kFloat, "flash_attn: softmax_lse must be float32, got ", lse.scalar_type());
+  TORCH_CHECK(lse.device() == q.device(), "flash_attn: softmax_lse must be on the device of q (", q.device(), "), got ",
+              lse.device());
+  TORCH_CHECK(lse.dim() == 3 && lse.size(0) == s.b && lse.size(1) == s.h && lse.size(2) == s.seqlen_q,
+              "flash_attn: softmax_lse must have shape (batch, nheads, seqlen_q) = (", s.b, ", ", s.h, ", ",
+              s.seqlen_q, "), got ", lse.sizes());
+  if (dropout_p > 0.0) {
+    TORCH_CHECK(rng_state.has_value() && rng_state->defined(), "flash_attn: rng_state is required when dropout_p > 0");
+    TORCH_CHECK(rng_state->scalar_type() == at::kLong && rng_state->numel() == 2,
+                "flash_attn: rng_state must be an int64 tensor of 2 elements (seed, offset), got ",
+                rng_state->scalar_type(), " with shape ", rng_state->sizes());
+  }
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> mha_bwd(
+    const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
+    const at::Tensor& softmax_lse, double dropout_p, std::optional<double> softmax_scale, bool causal,
+    int64_t window_size_left, int64_t window_size_right, bool deterministic,
+    const std::optional<at::Tensor>& rng_state) {
+  const Shapes s = check_qkv(q, k, v);
+  const double scale = default_scale(softmax_scale, s.d);
+  check_scalars(dropout_p, scale, window_size_left, window_size_right);
+  check_bwd_inputs(s, q, dout, out, softmax_lse, dropout_p, rng_state);
+
+  const at::Tensor lse = softmax_lse.contiguous();
+  const auto f32 = q.options().dtype(at::kFloat);
+  at::Tensor dk_accum = at::empty({s.b, s.h, s.seqlen_k, s.d}, f32);
+  at::Tensor dv_accum = at::empty({s.b, s.h, s.seqlen_k, s.d}, f32);
+  // Sum the per-query-head dK/dV over each GQA group and return (batch, seqlen_k, h_k, d).
+  auto group_sum = [&](const at::Tensor& acc) {
+    return acc.view({s.b, s.h_k, s.h / s.h_k, s.seqlen_k, s.d}).sum(2).permute({0, 2, 1, 3}).to(q.scalar_type()).contiguous();
+  };
+
+  uint64_t seed = 0, offset = 0;
+  if (dropout_p > 0.0) {
+    const at::Tensor st = rng_state->to(at::kCPU);
+    seed = uint64_t(st.data_ptr<int64_t>()[0]);
+    offset = uint64_t(st.data_ptr<int64_t>()[1]);
+  }
+
+#ifdef FLASH_ATTN_WITH_CUDA
+  if (q.is_cuda()) {
+    c10::cuda::CUDAGuard guard(q.device());
+    at::Tensor dq = at::empty_like(q, at::MemoryFormat::Contiguous);
+    BwdParams p;
+    set_fwd_params(p, s, q, k, v, out, lse, dropout_p, scale, causal, window_size_left, window_size_right);
+    p.philox_seed = seed;
+    p.philox_offset = offset;
+    p.deterministic = deterministic;
+    cuda::run_bwd(p, at::cuda::getCurrentCUDAStream().stream());
+    return {dq, group_sum(dk_accum), group_sum(dv_accum)};
+  }
+#endif
+  (void)deterministic;  // the CPU backward reduces in a fixed order: always deterministic
+
+  const at::Tensor qf = as_float(q), kf = as_float(k), vf = as_float(v), of = as_float(out), dof = as_float(dout);
+  at::Tensor dq_f = at::empty({s.b, s.seqlen_q, s.h, s.d}, f32);
+  BwdParams p;
+  set_fwd_params(p, s, qf, kf, vf, of, lse, dropout_p, scale, causal, window_size_left, window_size_right);
+  p.philox_seed = seed;
+  p.philox_offset = offset;
+  p.do_ptr = dof.data_ptr();
+  set_strides(dof, p.do_batch_stride, p.do_row_stride, p.do_head_stride);
+  p.dq_ptr = dq_f.data_ptr();
+  set_strides(dq_f, p.dq_batch_stride, p.dq_row_stride, p.dq_head_stride);
+  p.dk_accum_ptr = dk_accum.data_ptr<float>();
+  p.dv_accum_ptr = dv_accum.data_ptr<float>();
+  cpu::run_bwd(p);
+  return {dq_f.to(q.scalar_type()), group_sum(dk_accum), group_sum(dv_accum)};
+}
+
+}  // namespace
+}  // namespace flash
+
+TORCH_LIBRARY(flash_attn, m) {
+  // Fake (meta) kernels and autograd live in this Python module; torch imports it on demand.
+  m.set_python_module("flash_attn.ops");
+  m.def(
+      "fwd(Tensor q, Tensor k, Tensor v, float dropout_p=0., float? softmax_scale=None, bool causal=False, "
+      "int window_size_left=-1, int window_size_right=-1, bool return_softmax=False, bool deterministic=False) "
+      "-> (Tensor out, Tensor softmax_lse, Tensor S_dmask, Tensor rng_state)",
+      {at::Tag::nondeterministic_seeded});
+  m.def(
+      "bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor softmax_lse, float dropout_p=0., "
+      "float? softmax_scale=None, bool causal=False, int window_size_left=-1, int window_size_right=-1, "
+      "bool deterministic=False, Tensor? rng_state=None) -> (Tensor dq, Tensor dk, Tensor dv)");
+}
+
+TORCH_LIBRARY_IMPL(flash_attn, CPU, m) {
+  m.impl("fwd", &flash::mha_fwd);
+  m.impl("bwd", &flash::mha_bwd);
+}
+
+#ifdef FLASH_ATTN_WITH_CUDA
+TORCH_LIBRARY_IMPL(flash_attn, CUDA, m) {
+  m.impl("fwd", &flash::mha_fwd);
+  m.impl("bwd", &flash::mha_bwd);
+}
+#endif

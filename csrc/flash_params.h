@@ -1,0 +1,79 @@
+// The one parameter block that travels from the op layer (flash_api.cpp) to the CPU and CUDA
+// launchers and into the kernels. Nothing below the op layer sees an at::Tensor: only raw
+// pointers, element strides and sizes, so the same struct serves C++ on the host and CUDA kernels.
+#pragma once
+
+#include <cstdint>
+
+namespace flash {
+
+enum class DType : int { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
+
+struct QKVParams {
+  const void* __restrict__ q_ptr = nullptr;
+  const void* __restrict__ k_ptr = nullptr;
+  const void* __restrict__ v_ptr = nullptr;
+
+  // Strides in elements. Layout is (batch, seqlen, heads, headdim) with the last dim contiguous.
+  int64_t q_batch_stride = 0, k_batch_stride = 0, v_batch_stride = 0;
+  int64_t q_row_stride = 0, k_row_stride = 0, v_row_stride = 0;
+  int64_t q_head_stride = 0, k_head_stride = 0, v_head_stride = 0;
+
+  int h = 0;          // query heads
+  int h_k = 0;        // key/value heads (MQA/GQA: h is a multiple of h_k)
+  int h_h_k_ratio = 1;
+};
+
+struct FwdParams : QKVParams {
+  void* __restrict__ o_ptr = nullptr;
+  int64_t o_batch_stride = 0, o_row_stride = 0, o_head_stride = 0;
+
+  // (batch, h, seqlen_q) float32, natural-log log-sum-exp of the scaled scores; -inf for a row
+  // with nothing to attend to.
+  float* __restrict__ softmax_lse_ptr = nullptr;
+
+  // Optional (batch, h, seqlen_q, seqlen_k) float32 probabilities for testing; dropped entries
+  // are stored negated. nullptr when not requested.
+  float* __restrict__ p_ptr = nullptr;
+
+  int b = 0, seqlen_q = 0, seqlen_k = 0, d = 0;
+
+  float scale_softmax = 1.f;       // applied to q.k
+  float scale_softmax_log2 = 1.f;  // scale_softmax * log2(e): the kernels work in base 2
+
+  // Causal is window (left, 0); -1 means unbounded. Both are bottom-right aligned:
+  // query row i sees key j iff i + seqlen_k - seqlen_q - left <= j <= i + seqlen_k - seqlen_q + right.
+  bool is_causal = false;
+  int window_size_left = -1;
+  int window_size_right = -1;
+
+  // Dropout: keep an element iff its 16-bit Philox draw is >= dropout_threshold16.
+  float p_dropout = 0.f;              // probability of dropping
+  float rp_dropout = 1.f;             // 1 / (1 - p_dropout), applied to kept elements
+  uint32_t dropout_threshold16 = 0;   // round(p_dropout * 65536)
+  uint64_t philox_seed = 0;
+  uint64_t philox_offset = 0;
+
+  DType dtype = DType::kFloat32;
+};
+
+struct BwdParams : FwdParams {
+  const void* __restrict__ do_ptr = nullptr;
+  int64_t do_batch_stride = 0, do_row_stride = 0, do_head_stride = 0;
+
+  void* __restrict__ dq_ptr = nullptr;
+  void* __restrict__ dk_ptr = nullptr;
+  void* __restrict__ dv_ptr = nullptr;
+  int64_t dq_batch_stride = 0, dq_row_stride = 0, dq_head_stride = 0;
+  int64_t dk_batch_stride = 0, dk_row_stride = 0, dk_head_stride = 0;
+  int64_t dv_batch_stride = 0, dv_row_stride = 0, dv_head_stride = 0;
+
+  // float32 scratch the op layer allocates: per-query-head dK/dV before the GQA group sum,
+  // laid out (batch, h, seqlen_k, d) contiguous.
+  float* __restrict__ dk_accum_ptr = nullptr;
+  float* __restrict__ dv_accum_ptr = nullptr;
+
+  bool deterministic = false;
+};
+
+}  // namespace flash

@@ -1,0 +1,12 @@
+"""flash_attn: exact FlashAttention as PyTorch custom ops (torch.ops.flash_attn.fwd / .bwd)."""
+
+from .version import __version__
+from . import ops  # loads the library, registers fake kernels and autograd
+from .interface import flash_attn_func, flash_attn_kvpacked_func, flash_attn_qkvpacked_func
+
+__all__ = [
+    "__version__",
+    "flash_attn_func",
+    "flash_attn_kvpacked_func",
+    "flash_attn_qkvpacked_func",
+]

@@ -1,0 +1,68 @@
+"""The functional API, with flash-attn 2.x's names, arguments, layouts and return values.
+
+Tensors are (batch, seqlen, nheads, headdim). Validation happens in the C++ op layer, which every
+caller (Python, C++, torch.compile) goes through; this module only normalises arguments.
+"""
+
+from typing import Optional, Tuple
+
+import torch
+
+from . import ops
+
+
+def _unsupported(softcap: float, alibi_slopes: Optional[torch.Tensor]) -> None:
+    if softcap != 0.0:
+        raise NotImplementedError("flash_attn: softcap is not supported yet (pass softcap=0.0)")
+    if alibi_slopes is not None:
+        raise NotImplementedError("flash_attn: alibi_slopes is not supported yet (pass alibi_slopes=None)")
+
+
+def _window(window_size: Tuple[int, int]) -> Tuple[int, int]:
+    if len(window_size) != 2:
+        raise ValueError(f"flash_attn: window_size must be a pair (left, right), got {window_size!r}")
+    return int(window_size[0]), int(window_size[1])
+
+
+def _attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+               deterministic, return_attn_probs):
+    _unsupported(softcap, alibi_slopes)
+    left, right = _window(window_size)
+    out, softmax_lse, s_dmask, _ = ops.fwd(q, k, v, float(dropout_p), softmax_scale, bool(causal), left, right,
+                                           bool(return_attn_probs), bool(deterministic))
+    return (out, softmax_lse, s_dmask) if return_attn_probs else out
+
+
+def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
+                    softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False):
+    """Exact attention softmax(q k^T * softmax_scale) v.
+
+    q: (batch, seqlen_q, nheads, headdim); k, v: (batch, seqlen_k, nheads_k, headdim) with nheads a
+    multiple of nheads_k (MQA/GQA). causal masks bottom-right aligned (query i sees keys
+    j <= i + seqlen_k - seqlen_q); window_size=(left, right) limits that to a band, -1 = unbounded.
+
+    Returns out (batch, seqlen_q, nheads, headdim); with return_attn_probs=True also softmax_lse
+    (batch, nheads, seqlen_q), float32, natural log, -inf for rows that see no key) and S_dmask
+    (batch, nheads, seqlen_q, seqlen_k): the exact probabilities before dropout, negated where
+    dropout dropped the entry. S_dmask is for testing small sizes.
+    """
+    return _attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                      deterministic, return_attn_probs)
+
+
+def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
+                              softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False):
+    """flash_attn_func on qkv of shape (batch, seqlen, 3, nheads, headdim)."""
+    if qkv.dim() != 5 or qkv.shape[2] != 3:
+        raise ValueError(f"flash_attn: qkv must have shape (batch, seqlen, 3, nheads, headdim), got {tuple(qkv.shape)}")
+    return _attention(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], dropout_p, softmax_scale, causal, window_size,
+                      softcap, alibi_slopes, deterministic, return_attn_probs)
+
+
+def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
+                             softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False):
+    """flash_attn_func on q (batch, seqlen_q, nheads, headdim) and kv (batch, seqlen_k, 2, nheads_k, headdim)."""
+    if kv.dim() != 5 or kv.shape[2] != 2:
+        raise ValueError(f"flash_attn: kv must have shape (batch, seqlen_k, 2, nheads_k, headdim), got {tuple(kv.shape)}")
+    return _attention(q, kv[:, :, 0], kv[:, :, 1], dropout_p, softmax_scale, causal, window_size, softcap,
+                      alibi_slopes, deterministic, return_attn_probs)

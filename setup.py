@@ -1,0 +1,86 @@
+"""Builds flash_attn's one ops library (flash_attn/_C.abi3.so) with torch's cpp_extension.
+
+A CUDA build when nvcc and a CUDA build of torch are present, else CPU-only. The library has no
+Python entry point of its own: ops are registered with TORCH_LIBRARY and loaded with
+torch.ops.load_library, so one build serves every Python version (abi3).
+
+Environment:
+  FLASH_ATTN_CUDA=0|1          force the CPU-only or the CUDA build (default: auto-detect)
+  FLASH_ATTN_CUDA_ARCHS="80;90" SM architectures to compile for
+  FLASH_ATTN_CPU_FLAGS          extra C++ flags for the CPU kernels (default on x86-64: AVX2+FMA)
+"""
+
+import glob
+import os
+import platform
+import shutil
+
+from setuptools import setup
+from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension
+import torch
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+
+
+def _want_cuda() -> bool:
+    forced = os.environ.get("FLASH_ATTN_CUDA")
+    if forced is not None:
+        return forced == "1"
+    return torch.version.cuda is not None and CUDA_HOME is not None and (
+        shutil.which("nvcc") is not None or os.path.exists(os.path.join(CUDA_HOME, "bin", "nvcc"))
+    )
+
+
+def _cutlass_include() -> list:
+    try:
+        import cutlass_library
+    except ImportError:
+        return []
+    path = os.path.join(os.path.dirname(cutlass_library.__file__), "source", "include")
+    return [path] if os.path.isdir(path) else []
+
+
+def _cpu_flags() -> list:
+    if "FLASH_ATTN_CPU_FLAGS" in os.environ:
+        return os.environ["FLASH_ATTN_CPU_FLAGS"].split()
+    if platform.machine() in ("x86_64", "AMD64"):
+        # at::vec's AVX2 path; flash_attn/__init__.py refuses to load on CPUs without AVX2.
+        return ["-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY_AVX2"]
+    return []
+
+
+def _arch_flags() -> list:
+    archs = os.environ.get("FLASH_ATTN_CUDA_ARCHS", "80;90")
+    flags = []
+    for arch in filter(None, (a.strip() for a in archs.replace(",", ";").split(";"))):
+        flags += ["-gencode", f"arch=compute_{arch},code=sm_{arch}"]
+    return flags
+
+
+def _extension():
+    sources = [os.path.relpath(p, ROOT) for p in
+               ["csrc/flash_api.cpp"] + sorted(glob.glob(os.path.join(ROOT, "csrc", "cpu", "*.cpp")))]
+    # -fopenmp: at::parallel_for is header code and runs serially unless _OPENMP is defined here;
+    # the library then shares torch's libgomp (same soname, already loaded by torch).
+    cxx = ["-O3", "-std=c++17", "-fvisibility=hidden", "-fopenmp"] + _cpu_flags()
+    link = ["-fopenmp"]
+    include_dirs = [os.path.join(ROOT, "csrc")]
+    if not _want_cuda():
+        return CppExtension("flash_attn._C", sources, include_dirs=include_dirs,
+                            extra_compile_args={"cxx": cxx}, extra_link_args=link, py_limited_api=True)
+    sources += [os.path.relpath(p, ROOT) for p in sorted(glob.glob(os.path.join(ROOT, "csrc", "cuda", "*.cu")))]
+    nvcc = ["-O3", "-std=c++17", "--expt-relaxed-constexpr", "--expt-extended-lambda",
+            "-U__CUDA_NO_HALF_OPERATORS__", "-U__CUDA_NO_HALF_CONVERSIONS__",
+            "-U__CUDA_NO_BFLOAT16_OPERATORS__", "-U__CUDA_NO_BFLOAT16_CONVERSIONS__",
+            "--threads", os.environ.get("FLASH_ATTN_NVCC_THREADS", "2")] + _arch_flags()
+    return CUDAExtension("flash_attn._C", sources, include_dirs=include_dirs + _cutlass_include(),
+                         define_macros=[("FLASH_ATTN_WITH_CUDA", None)],
+                         extra_compile_args={"cxx": cxx, "nvcc": nvcc}, extra_link_args=link,
+                         py_limited_api=True)
+
+
+setup(
+    ext_modules=[_extension()],
+    cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
+    options={"bdist_wheel": {"py_limited_api": "cp39"}},
+)

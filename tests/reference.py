@@ -1,0 +1,62 @@
+"""Plain-PyTorch attention used as the reference, and the tolerance rule."""
+
+import math
+
+import torch
+
+
+def visible_mask(seqlen_q, seqlen_k, causal=False, window_size=(-1, -1), device="cpu"):
+    """(seqlen_q, seqlen_k) bool: True where query i may see key j (bottom-right aligned)."""
+    left, right = window_size
+    if causal:
+        right = 0
+    i = torch.arange(seqlen_q, device=device)[:, None]
+    j = torch.arange(seqlen_k, device=device)[None, :]
+    centre = i + seqlen_k - seqlen_q
+    ok = torch.ones(seqlen_q, seqlen_k, dtype=torch.bool, device=device)
+    if left >= 0:
+        ok &= j >= centre - left
+    if right >= 0:
+        ok &= j <= centre + right
+    return ok
+
+
+def attention_ref(q, k, v, causal=False, window_size=(-1, -1), softmax_scale=None, dropout_p=0.0,
+                  keep_mask=None, upcast=True):
+    """Standard attention on (batch, seqlen, heads, dim) tensors; upcast=True computes in float64.
+
+    keep_mask: (batch, heads, seqlen_q, seqlen_k) bool, the dropout pattern to apply.
+    Returns (out, probs) with probs the softmax before dropout; rows that see nothing give 0.
+    """
+    dtype = q.dtype
+    if upcast:
+        q, k, v = q.double(), k.double(), v.double()
+    h, h_k = q.shape[2], k.shape[2]
+    k = k.repeat_interleave(h // h_k, dim=2)
+    v = v.repeat_interleave(h // h_k, dim=2)
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    scores = torch.einsum("bihd,bjhd->bhij", q * scale, k)
+    ok = visible_mask(q.shape[1], k.shape[1], causal, window_size, q.device)
+    scores = scores.masked_fill(~ok, float("-inf"))
+    probs = torch.softmax(scores.float() if not upcast and dtype != torch.float32 else scores, dim=-1)
+    probs = probs.nan_to_num(0.0).to(scores.dtype)  # rows with nothing visible
+    p_used = probs
+    if keep_mask is not None:
+        p_used = probs.masked_fill(~keep_mask, 0.0) / (1.0 - dropout_p)
+    out = torch.einsum("bhij,bjhd->bihd", p_used, v)
+    return out.to(dtype if not upcast else torch.float64), probs
+
+
+# "Small epsilon" of the tolerance rule, relative to the reference's magnitude.
+EPS = {torch.float32: 2e-5, torch.float16: 2e-4, torch.float64: 1e-12, torch.bfloat16: 2e-3}
+
+
+def check_rule(name, ours, ref, same_precision, dtype):
+    """flash-attn's rule: our error against the float64 reference must be at most twice the error
+    of plain PyTorch attention computed in the same low precision, plus a small epsilon."""
+    ours, ref, same_precision = ours.double(), ref.double(), same_precision.double()
+    assert torch.isfinite(ours).all(), f"{name}: NaN/Inf in our result"
+    err = (ours - ref).abs().max().item()
+    pt_err = (same_precision - ref).abs().max().item()
+    eps = EPS[dtype] * max(1.0, ref.abs().max().item())
+    assert err <= 2 * pt_err + eps, f"{name}: max error {err:.3g} > 2 x {pt_err:.3g} (PyTorch, {dtype}) + {eps:.3g}"
