@@ -242,19 +242,21 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> mha_bwd(
   (void)deterministic;  // the CPU backward reduces in a fixed order: always deterministic
 
   const at::Tensor qf = as_float(q), kf = as_float(k), vf = as_float(v), of = as_float(out), dof = as_float(dout);
-  at::Tensor dq_f = at::empty({s.b, s.seqlen_q, s.h, s.d}, f32);
+  const int splits = cpu::bwd_num_splits(s.b, s.h, s.seqlen_k);
+  at::Tensor dq_accum = at::empty({s.b, s.h, splits, s.seqlen_q, s.d}, f32);
   BwdParams p;
   set_fwd_params(p, s, qf, kf, vf, of, lse, dropout_p, scale, causal, window_size_left, window_size_right);
   p.philox_seed = seed;
   p.philox_offset = offset;
   p.do_ptr = dof.data_ptr();
   set_strides(dof, p.do_batch_stride, p.do_row_stride, p.do_head_stride);
-  p.dq_ptr = dq_f.data_ptr();
-  set_strides(dq_f, p.dq_batch_stride, p.dq_row_stride, p.dq_head_stride);
   p.dk_accum_ptr = dk_accum.data_ptr<float>();
   p.dv_accum_ptr = dv_accum.data_ptr<float>();
+  p.dq_accum_ptr = dq_accum.data_ptr<float>();
+  p.num_splits = splits;
   cpu::run_bwd(p);
-  return {dq_f.to(q.scalar_type()), group_sum(dk_accum), group_sum(dv_accum)};
+  at::Tensor dq = (splits == 1 ? dq_accum.select(2, 0) : dq_accum.sum(2)).permute({0, 2, 1, 3});
+  return {dq.to(q.scalar_type()).contiguous(), group_sum(dk_accum), group_sum(dv_accum)};
 }
 
 }  // namespace

@@ -69,9 +69,12 @@ struct BwdParams : FwdParams {
   int64_t dv_batch_stride = 0, dv_row_stride = 0, dv_head_stride = 0;
 
   // float32 scratch the op layer allocates: per-query-head dK/dV before the GQA group sum,
-  // laid out (batch, h, seqlen_k, d) contiguous.
+  // laid out (batch, h, seqlen_k, d) contiguous, and dQ partial sums, one per split of the key
+  // blocks, laid out (batch, h, num_splits, seqlen_q, d) and summed by the op layer.
   float* __restrict__ dk_accum_ptr = nullptr;
   float* __restrict__ dv_accum_ptr = nullptr;
+  float* __restrict__ dq_accum_ptr = nullptr;
+  int num_splits = 1;
 
   bool deterministic = false;
 };

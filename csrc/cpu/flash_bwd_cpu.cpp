@@ -1,5 +1,6 @@
-// CPU backward: per (batch, query head), walk the key/value blocks; for each, recompute P tile by
-// tile from Q, K and the logsumexp, and accumulate dV, dK (per block) and dQ (per head).
+// CPU backward: per (batch, query head, split of the key blocks), walk the key/value blocks; for
+// each, recompute P tile by tile from Q, K and the logsumexp, and accumulate dV, dK (per block) and
+// dQ (per split; the op layer sums the splits in a fixed order, so results are deterministic).
 #include <ATen/Parallel.h>
 
 #include <cmath>
@@ -21,7 +22,7 @@ constexpr float kLog2e = 1.4426950408889634f;
 
 struct HeadGrads {
   const float *q, *k, *v, *o, *dout, *lse;
-  float *dq, *dk_accum, *dv_accum;
+  float *dk_accum, *dv_accum;
   uint32_t bh;
 };
 
@@ -33,7 +34,6 @@ HeadGrads head_grads(const BwdParams& p, int b, int h) {
   g.v = static_cast<const float*>(p.v_ptr) + b * p.v_batch_stride + hk * p.v_head_stride;
   g.o = static_cast<const float*>(p.o_ptr) + b * p.o_batch_stride + h * p.o_head_stride;
   g.dout = static_cast<const float*>(p.do_ptr) + b * p.do_batch_stride + h * p.do_head_stride;
-  g.dq = static_cast<float*>(p.dq_ptr) + b * p.dq_batch_stride + h * p.dq_head_stride;
   g.bh = uint32_t(int64_t(b) * p.h + h);
   g.lse = p.softmax_lse_ptr + int64_t(g.bh) * p.seqlen_q;
   g.dk_accum = p.dk_accum_ptr + int64_t(g.bh) * p.seqlen_k * p.d;
@@ -42,16 +42,16 @@ HeadGrads head_grads(const BwdParams& p, int b, int h) {
 }
 
 struct Scratch {
-  std::vector<float> dq, rowsum_do_o, p, dp, dk, dv;
+  std::vector<float> rowsum_do_o, p, dp, dk, dv;
   std::vector<uint8_t> keep;
   Scratch(const BwdParams& prm)
-      : dq(int64_t(prm.seqlen_q) * prm.d), rowsum_do_o(prm.seqlen_q), p(kBlockM * kBlockN),
+      : rowsum_do_o(prm.seqlen_q), p(kBlockM * kBlockN),
         dp(kBlockM * kBlockN), dk(kBlockN * prm.d), dv(kBlockN * prm.d),
         keep(prm.p_dropout > 0.f ? kBlockM * kBlockN : 0) {}
 };
 
 // One (query tile, key block) step: P, dV += P_drop^T dO, dP, dS, dK += dS^T Q, dQ += dS K.
-void tile_step(const BwdParams& p, const HeadGrads& g, int i0, int rows, int j0, int cols, Scratch& w) {
+void tile_step(const BwdParams& p, const HeadGrads& g, int i0, int rows, int j0, int cols, float* dq, Scratch& w) {
   const int d = p.d;
   const bool dropout = p.p_dropout > 0.f;
   float* P = w.p.data();
@@ -88,39 +88,54 @@ void tile_step(const BwdParams& p, const HeadGrads& g, int i0, int rows, int j0,
   gemm_rowmajor(true, false, cols, d, rows, p.scale_softmax, P, kBlockN, q_i, p.q_row_stride, 1.f,
                 w.dk.data(), d);
   gemm_rowmajor(false, false, rows, d, cols, p.scale_softmax, P, kBlockN, g.k + j0 * p.k_row_stride,
-                p.k_row_stride, 1.f, w.dq.data() + int64_t(i0) * d, d);
+                p.k_row_stride, 1.f, dq + int64_t(i0) * d, d);
 }
 
-void head_backward(const BwdParams& p, const HeadGrads& g, Scratch& w) {
+// Key blocks [block_begin, block_end) of one head; dq is this split's (seqlen_q, d) partial sum.
+void head_backward(const BwdParams& p, const HeadGrads& g, int block_begin, int block_end, float* dq, Scratch& w) {
   const int d = p.d;
   // D = rowsum(dO * O): the softmax-gradient correction, identical with or without dropout.
   for (int i = 0; i < p.seqlen_q; ++i)
     w.rowsum_do_o[i] = dot(g.dout + i * p.do_row_stride, g.o + i * p.o_row_stride, d);
-  std::fill(w.dq.begin(), w.dq.end(), 0.f);
+  std::fill(dq, dq + int64_t(p.seqlen_q) * d, 0.f);
 
-  for (int j0 = 0; j0 < p.seqlen_k; j0 += kBlockN) {
+  for (int j0 = block_begin * kBlockN; j0 < std::min(p.seqlen_k, block_end * kBlockN); j0 += kBlockN) {
     const int cols = std::min(kBlockN, p.seqlen_k - j0);
     std::fill(w.dk.begin(), w.dk.end(), 0.f);
     std::fill(w.dv.begin(), w.dv.end(), 0.f);
     for (int i0 = 0; i0 < p.seqlen_q; i0 += kBlockM) {
       const int rows = std::min(kBlockM, p.seqlen_q - i0);
-      if (tile_visible(p, i0, i0 + rows, j0, j0 + cols)) tile_step(p, g, i0, rows, j0, cols, w);
+      if (tile_visible(p, i0, i0 + rows, j0, j0 + cols)) tile_step(p, g, i0, rows, j0, cols, dq, w);
     }
     std::copy(w.dk.begin(), w.dk.begin() + int64_t(cols) * d, g.dk_accum + int64_t(j0) * d);
     std::copy(w.dv.begin(), w.dv.begin() + int64_t(cols) * d, g.dv_accum + int64_t(j0) * d);
   }
-  for (int i = 0; i < p.seqlen_q; ++i)
-    std::copy(w.dq.begin() + int64_t(i) * d, w.dq.begin() + int64_t(i + 1) * d, g.dq + i * p.dq_row_stride);
 }
 
 }  // namespace
 
+int bwd_num_splits(int batch, int heads, int seqlen_k) {
+  // Enough tasks to keep every thread busy when batch * heads is small; each split costs one
+  // (seqlen_q, d) float32 partial dQ, so memory stays linear.
+  const int64_t heads_total = std::max<int64_t>(1, int64_t(batch) * heads);
+  const int64_t want = (at::get_num_threads() + heads_total - 1) / heads_total;
+  return int(std::clamp<int64_t>(want, 1, std::max(1, ceil_div(seqlen_k, kBlockN))));
+}
+
 void run_bwd(const BwdParams& p) {
-  const int64_t tasks = int64_t(p.b) * p.h;
+  const int64_t tasks = int64_t(p.b) * p.h * p.num_splits;
   if (tasks == 0) return;
+  const int n_blocks = ceil_div(p.seqlen_k, kBlockN);
+  const int per_split = ceil_div(n_blocks, p.num_splits);
   at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
     Scratch w(p);
-    for (int64_t t = begin; t < end; ++t) head_backward(p, head_grads(p, int(t / p.h), int(t % p.h)), w);
+    for (int64_t t = begin; t < end; ++t) {
+      const int split = int(t % p.num_splits);
+      const int64_t bh = t / p.num_splits;
+      float* dq = p.dq_accum_ptr + t * int64_t(p.seqlen_q) * p.d;  // (b, h, split) is row-major t
+      head_backward(p, head_grads(p, int(bh / p.h), int(bh % p.h)), split * per_split,
+                    std::min(n_blocks, (split + 1) * per_split), dq, w);
+    }
   });
 }
 

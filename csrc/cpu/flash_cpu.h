@@ -9,7 +9,10 @@ namespace flash::cpu {
 // Writes o, softmax_lse and (if p_ptr) the probabilities.
 void run_fwd(const FwdParams& params);
 
-// Writes dq (float32, params' dq strides) and the per-query-head dk_accum / dv_accum.
+// How many splits of the key blocks the backward uses (sizes params.dq_accum_ptr).
+int bwd_num_splits(int batch, int heads, int seqlen_k);
+
+// Writes the dq_accum partial sums and the per-query-head dk_accum / dv_accum.
 void run_bwd(const BwdParams& params);
 
 }  // namespace flash::cpu
