@@ -7,6 +7,8 @@ torch.ops.load_library, so one build serves every Python version (abi3).
 Environment:
   FLASH_ATTN_CUDA=0|1          force the CPU-only or the CUDA build (default: auto-detect)
   FLASH_ATTN_CUDA_ARCHS="80;90" SM architectures to compile for
+  FLASH_ATTN_CUDA_HDIMS="64,128" a subset of the kernel head dims (default: all)
+  FLASH_ATTN_CUDA_DTYPES="bf16"  a subset of fp16,bf16 (default: both)
   FLASH_ATTN_CPU_FLAGS          extra C++ flags for the CPU kernels (default on x86-64: AVX2+FMA)
 """
 
@@ -57,6 +59,32 @@ def _arch_flags() -> list:
     return flags
 
 
+HEAD_DIMS = [32, 64, 96, 128, 160, 192, 224, 256]  # csrc/cuda/flash_launch.h: kHeadDims
+DTYPES = ["fp16", "bf16"]
+
+
+def _subset(env, universe, cast):
+    chosen = os.environ.get(env)
+    if not chosen:
+        return list(universe)
+    picked = [cast(x) for x in chosen.replace(";", ",").split(",") if x.strip()]
+    unknown = [x for x in picked if x not in universe]
+    if unknown:
+        raise ValueError(f"{env}: {unknown} not among {universe}")
+    return picked
+
+
+def _cuda_instantiations():
+    """The generated kernel files to compile, and the masks that tell the dispatcher which exist."""
+    hdims = _subset("FLASH_ATTN_CUDA_HDIMS", HEAD_DIMS, int)
+    dtypes = _subset("FLASH_ATTN_CUDA_DTYPES", DTYPES, str.strip)
+    files = [f"csrc/cuda/instantiations/flash_{direction}_hdim{h}_{dt}.cu"
+             for direction in ("fwd", "bwd") for dt in dtypes for h in hdims]
+    hdim_mask = sum(1 << HEAD_DIMS.index(h) for h in hdims)
+    dtype_mask = sum(1 << DTYPES.index(dt) for dt in dtypes)
+    return files, [("FLASH_ATTN_HDIM_MASK", str(hdim_mask)), ("FLASH_ATTN_DTYPE_MASK", str(dtype_mask))]
+
+
 def _extension():
     sources = [os.path.relpath(p, ROOT) for p in
                ["csrc/flash_api.cpp"] + sorted(glob.glob(os.path.join(ROOT, "csrc", "cpu", "*.cpp")))]
@@ -68,13 +96,15 @@ def _extension():
     if not _want_cuda():
         return CppExtension("flash_attn._C", sources, include_dirs=include_dirs,
                             extra_compile_args={"cxx": cxx}, extra_link_args=link, py_limited_api=True)
+    kernel_files, masks = _cuda_instantiations()
     sources += [os.path.relpath(p, ROOT) for p in sorted(glob.glob(os.path.join(ROOT, "csrc", "cuda", "*.cu")))]
+    sources += kernel_files
     nvcc = ["-O3", "-std=c++17", "--expt-relaxed-constexpr", "--expt-extended-lambda",
             "-U__CUDA_NO_HALF_OPERATORS__", "-U__CUDA_NO_HALF_CONVERSIONS__",
             "-U__CUDA_NO_BFLOAT16_OPERATORS__", "-U__CUDA_NO_BFLOAT16_CONVERSIONS__",
             "--threads", os.environ.get("FLASH_ATTN_NVCC_THREADS", "2")] + _arch_flags()
     return CUDAExtension("flash_attn._C", sources, include_dirs=include_dirs + _cutlass_include(),
-                         define_macros=[("FLASH_ATTN_WITH_CUDA", None)],
+                         define_macros=[("FLASH_ATTN_WITH_CUDA", None)] + masks,
                          extra_compile_args={"cxx": cxx, "nvcc": nvcc}, extra_link_args=link,
                          py_limited_api=True)
 

@@ -15,6 +15,7 @@
 
 #ifdef FLASH_ATTN_WITH_CUDA
 #include <ATen/cuda/CUDAContext.h>
+#include <ATen/cuda/CUDAGeneratorImpl.h>
 #include <c10/cuda/CUDAGuard.h>
 
 #include "cuda/flash_launch.h"
@@ -138,6 +139,44 @@ uint64_t draw_cpu_seed() {
   return gen->random64();
 }
 
+#ifdef FLASH_ATTN_WITH_CUDA
+int64_t round_up8(int64_t d) { return (d + 7) / 8 * 8; }
+
+void check_cuda_operands(const at::Tensor& q) {
+  const cudaDeviceProp* props = at::cuda::getDeviceProperties(q.get_device());
+  TORCH_CHECK(props->major >= 8, "flash_attn: the CUDA kernels need compute capability 8.0 or newer (Ampere, Ada, "
+              "Hopper); ", props->name, " is ", props->major, ".", props->minor);
+  TORCH_CHECK(q.scalar_type() != at::kFloat, "flash_attn: the CUDA kernels take float16 or bfloat16 inputs, got "
+              "float32 (the CPU implementation takes float32)");
+}
+
+// What cp.async needs: 16-byte aligned rows, the head dim padded with zeros to a multiple of 8.
+at::Tensor cuda_operand(const at::Tensor& t, int64_t d8) {
+  at::Tensor x = t.size(3) == d8 ? t : at::constant_pad_nd(t, {0, d8 - t.size(3)}, 0);
+  bool aligned = reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0;
+  for (int i = 0; i < 3; ++i) aligned = aligned && (x.size(i) <= 1 || x.stride(i) % 8 == 0);
+  return aligned ? x : x.contiguous();
+}
+
+void set_cuda_philox(FwdParams& p) {
+  auto* gen = at::check_generator<at::CUDAGeneratorImpl>(at::cuda::detail::getDefaultCUDAGenerator());
+  at::PhiloxCudaState st;
+  {
+    std::lock_guard<std::mutex> lock(gen->mutex_);
+    st = gen->philox_cuda_state(4);  // one counter word per launch; see philox.h
+  }
+  if (st.captured_) {
+    p.philox_captured = true;
+    p.philox_seed_ptr = st.seed_.ptr;
+    p.philox_offset_ptr = st.offset_.ptr;
+    p.philox_offset_intragraph = st.offset_intragraph_;
+  } else {
+    p.philox_seed = st.seed_.val;
+    p.philox_offset = st.offset_.val;
+  }
+}
+#endif
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> mha_fwd(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double dropout_p,
     std::optional<double> softmax_scale, bool causal, int64_t window_size_left, int64_t window_size_right,
@@ -157,10 +196,18 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> mha_fwd(
 #ifdef FLASH_ATTN_WITH_CUDA
   if (q.is_cuda()) {
     c10::cuda::CUDAGuard guard(q.device());
+    check_cuda_operands(q);
+    const int64_t d8 = round_up8(s.d);
+    const at::Tensor qc = cuda_operand(q, d8), kc = cuda_operand(k, d8), vc = cuda_operand(v, d8);
+    at::Tensor out_k = d8 == s.d ? out : at::empty({s.b, s.seqlen_q, s.h, d8}, opts);
     FwdParams p;
-    set_fwd_params(p, s, q, k, v, out, lse, dropout_p, scale, causal, window_size_left, window_size_right);
+    set_fwd_params(p, s, qc, kc, vc, out_k, lse, dropout_p, scale, causal, window_size_left, window_size_right);
+    p.d = int(d8);
     p.p_ptr = return_softmax ? probs.data_ptr<float>() : nullptr;
+    p.rng_state_ptr = rng_state.data_ptr<int64_t>();
+    if (dropout_p > 0.0) set_cuda_philox(p);
     cuda::run_fwd(p, at::cuda::getCurrentCUDAStream().stream());
+    if (!out_k.is_same(out)) out.copy_(out_k.narrow(3, 0, s.d));
     return {out, lse, return_softmax ? probs.to(q.scalar_type()) : probs, rng_state};
   }
 #endif
@@ -212,12 +259,48 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> mha_bwd(
 
   const at::Tensor lse = softmax_lse.contiguous();
   const auto f32 = q.options().dtype(at::kFloat);
-  at::Tensor dk_accum = at::empty({s.b, s.h, s.seqlen_k, s.d}, f32);
-  at::Tensor dv_accum = at::empty({s.b, s.h, s.seqlen_k, s.d}, f32);
-  // Sum the per-query-head dK/dV over each GQA group and return (batch, seqlen_k, h_k, d).
+  // Sum per-query-head float32 dK/dV (batch, h, seqlen_k, d_acc) over each GQA group and return
+  // (batch, seqlen_k, h_k, d) in the input dtype.
   auto group_sum = [&](const at::Tensor& acc) {
-    return acc.view({s.b, s.h_k, s.h / s.h_k, s.seqlen_k, s.d}).sum(2).permute({0, 2, 1, 3}).to(q.scalar_type()).contiguous();
+    return acc.view({s.b, s.h_k, s.h / s.h_k, s.seqlen_k, acc.size(3)})
+        .sum(2)
+        .narrow(3, 0, s.d)
+        .permute({0, 2, 1, 3})
+        .to(q.scalar_type())
+        .contiguous();
   };
+  // Both backends reduce in a fixed order (no atomics): results are always deterministic.
+  (void)deterministic;
+
+#ifdef FLASH_ATTN_WITH_CUDA
+  if (q.is_cuda()) {
+    c10::cuda::CUDAGuard guard(q.device());
+    check_cuda_operands(q);
+    const int64_t d8 = round_up8(s.d);
+    const at::Tensor qc = cuda_operand(q, d8), kc = cuda_operand(k, d8), vc = cuda_operand(v, d8);
+    const at::Tensor oc = cuda_operand(out, d8), doc = cuda_operand(dout, d8);
+    at::Tensor dq = at::empty({s.b, s.seqlen_q, s.h, d8}, q.options());
+    at::Tensor dk_accum = at::zeros({s.b, s.h, s.seqlen_k, d8}, f32);
+    at::Tensor dv_accum = at::zeros({s.b, s.h, s.seqlen_k, d8}, f32);
+    at::Tensor dsum = at::empty({s.b, s.h, s.seqlen_q}, f32);
+    at::Tensor rng = dropout_p > 0.0 ? rng_state->to(q.device()) : at::Tensor();
+    BwdParams p;
+    set_fwd_params(p, s, qc, kc, vc, oc, lse, dropout_p, scale, causal, window_size_left, window_size_right);
+    p.d = int(d8);
+    p.do_ptr = doc.data_ptr();
+    set_strides(doc, p.do_batch_stride, p.do_row_stride, p.do_head_stride);
+    p.dq_ptr = dq.data_ptr();
+    set_strides(dq, p.dq_batch_stride, p.dq_row_stride, p.dq_head_stride);
+    p.dk_accum_ptr = dk_accum.data_ptr<float>();
+    p.dv_accum_ptr = dv_accum.data_ptr<float>();
+    p.dsoftmax_sum_ptr = dsum.data_ptr<float>();
+    p.rng_state_ptr = dropout_p > 0.0 ? rng.data_ptr<int64_t>() : nullptr;
+    p.deterministic = true;
+    if (s.seqlen_k == 0) dq.zero_();
+    cuda::run_bwd(p, at::cuda::getCurrentCUDAStream().stream());
+    return {d8 == s.d ? dq : dq.narrow(3, 0, s.d).contiguous(), group_sum(dk_accum), group_sum(dv_accum)};
+  }
+#endif
 
   uint64_t seed = 0, offset = 0;
   if (dropout_p > 0.0) {
@@ -225,21 +308,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> mha_bwd(
     seed = uint64_t(st.data_ptr<int64_t>()[0]);
     offset = uint64_t(st.data_ptr<int64_t>()[1]);
   }
-
-#ifdef FLASH_ATTN_WITH_CUDA
-  if (q.is_cuda()) {
-    c10::cuda::CUDAGuard guard(q.device());
-    at::Tensor dq = at::empty_like(q, at::MemoryFormat::Contiguous);
-    BwdParams p;
-    set_fwd_params(p, s, q, k, v, out, lse, dropout_p, scale, causal, window_size_left, window_size_right);
-    p.philox_seed = seed;
-    p.philox_offset = offset;
-    p.deterministic = deterministic;
-    cuda::run_bwd(p, at::cuda::getCurrentCUDAStream().stream());
-    return {dq, group_sum(dk_accum), group_sum(dv_accum)};
-  }
-#endif
-  (void)deterministic;  // the CPU backward reduces in a fixed order: always deterministic
+  at::Tensor dk_accum = at::empty({s.b, s.h, s.seqlen_k, s.d}, f32);
+  at::Tensor dv_accum = at::empty({s.b, s.h, s.seqlen_k, s.d}, f32);
 
   const at::Tensor qf = as_float(q), kf = as_float(k), vf = as_float(v), of = as_float(out), dof = as_float(dout);
   const int splits = cpu::bwd_num_splits(s.b, s.h, s.seqlen_k);

@@ -36,7 +36,7 @@ struct FwdParams : QKVParams {
   // are stored negated. nullptr when not requested.
   float* __restrict__ p_ptr = nullptr;
 
-  int b = 0, seqlen_q = 0, seqlen_k = 0, d = 0;
+  int b = 0, seqlen_q = 0, seqlen_k = 0, d = 0;  // d: the head dim the kernels read (CUDA: a multiple of 8)
 
   float scale_softmax = 1.f;       // applied to q.k
   float scale_softmax_log2 = 1.f;  // scale_softmax * log2(e): the kernels work in base 2
@@ -53,6 +53,14 @@ struct FwdParams : QKVParams {
   uint32_t dropout_threshold16 = 0;   // round(p_dropout * 65536)
   uint64_t philox_seed = 0;
   uint64_t philox_offset = 0;
+  // CUDA: under graph capture the seed and offset are read through pointers at run time
+  // (PyTorch's PhiloxCudaState); the forward writes the values it used to rng_state_ptr and the
+  // backward reads them from there, so no host synchronisation is needed.
+  const int64_t* philox_seed_ptr = nullptr;
+  const int64_t* philox_offset_ptr = nullptr;
+  uint64_t philox_offset_intragraph = 0;
+  bool philox_captured = false;
+  int64_t* rng_state_ptr = nullptr;
 
   DType dtype = DType::kFloat32;
 };
@@ -67,6 +75,9 @@ struct BwdParams : FwdParams {
   int64_t dq_batch_stride = 0, dq_row_stride = 0, dq_head_stride = 0;
   int64_t dk_batch_stride = 0, dk_row_stride = 0, dk_head_stride = 0;
   int64_t dv_batch_stride = 0, dv_row_stride = 0, dv_head_stride = 0;
+
+  // CUDA: rowsum(dO * O) per (batch, h, seqlen_q) row, float32, from the pre-pass.
+  float* __restrict__ dsoftmax_sum_ptr = nullptr;
 
   // float32 scratch the op layer allocates: per-query-head dK/dV before the GQA group sum,
   // laid out (batch, h, seqlen_k, d) contiguous, and dQ partial sums, one per split of the key

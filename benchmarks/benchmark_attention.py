@@ -1,0 +1,153 @@
+"""GPU benchmark: our kernels against PyTorch SDPA's backends (FLASH_ATTENTION = FlashAttention-2,
+CUDNN_ATTENTION, EFFICIENT_ATTENTION, MATH where it fits), side by side in one run.
+
+Setup as in the flash-attn benchmarks: batch * seqlen = 16384 tokens, nheads * headdim = 2048.
+FLOPs: fwd = 4 b h s^2 d (halved for causal), bwd = 2.5 x fwd. Times are medians of CUDA-event
+timings after warm-up; bwd = (fwd+bwd) - fwd. Peak memory is what fwd+bwd allocates beyond the
+inputs. Writes JSON (--out) and a PNG plot of TFLOP/s against seqlen (--plot).
+"""
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+from flash_attn import flash_attn_func  # noqa: E402
+
+SDPA = {"fa2": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
+        "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def make_fn(impl, b, s, h, d, dtype, causal):
+    if impl == "ours":
+        q, k, v = [torch.randn(b, s, h, d, device="cuda", dtype=dtype, requires_grad=True) for _ in range(3)]
+        return (lambda: flash_attn_func(q, k, v, causal=causal)), (q, k, v)
+    q, k, v = [torch.randn(b, h, s, d, device="cuda", dtype=dtype, requires_grad=True) for _ in range(3)]
+
+    def fn():
+        with sdpa_kernel(SDPA[impl]):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    return fn, (q, k, v)
+
+
+def median_ms(fn, reps):
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
+
+
+def measure(impl, b, s, h, d, dtype, causal):
+    fwd, inputs = make_fn(impl, b, s, h, d, dtype, causal)
+    dout = torch.randn_like(fwd())
+
+    def fwd_bwd():
+        for t in inputs:
+            t.grad = None
+        fwd().backward(dout)
+
+    with torch.no_grad():
+        t_fwd = median_ms(fwd, 20)
+    t_fb = median_ms(fwd_bwd, 10)
+    for t in inputs:
+        t.grad = None
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    fwd_bwd()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    return t_fwd, t_fb, peak
+
+
+def plot(rows, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    keys = sorted({(r["dtype"], r["headdim"], r["causal"]) for r in rows})
+    fig, axes = plt.subplots(len(keys), 2, figsize=(11, 3.2 * len(keys)), squeeze=False)
+    for row_axes, key in zip(axes, keys):
+        for ax, metric in zip(row_axes, ("fwd_tflops", "bwd_tflops")):
+            for impl in sorted({r["impl"] for r in rows}):
+                pts = sorted((r["seqlen"], r[metric]) for r in rows if (r["dtype"], r["headdim"], r["causal"]) == key
+                             and r["impl"] == impl and r[metric] is not None)
+                if pts:
+                    ax.plot(*zip(*pts), marker="o", label=impl, linewidth=2.5 if impl == "ours" else 1.2)
+            ax.set_xscale("log", base=2)
+            ax.set_title(f"{key[0]} d={key[1]} {'causal' if key[2] else 'non-causal'}: {metric.split('_')[0]}")
+            ax.set_xlabel("seqlen")
+            ax.set_ylabel("TFLOP/s")
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--dtypes", default="bf16,fp16")
+    ap.add_argument("--hdims", default="64,128,256")
+    ap.add_argument("--seqlens", default="512,1024,2048,4096,8192,16384")
+    ap.add_argument("--causal", default="0,1")
+    ap.add_argument("--impls", default="ours,fa2,cudnn,efficient,math")
+    ap.add_argument("--math-max-seqlen", type=int, default=4096)
+    ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "gpu.json"))
+    ap.add_argument("--plot", default=None)
+    args = ap.parse_args()
+    rows = []
+    for dt in args.dtypes.split(","):
+        for d in map(int, args.hdims.split(",")):
+            for causal in (c == "1" for c in args.causal.split(",")):
+                for s in map(int, args.seqlens.split(",")):
+                    b, h = max(1, 16384 // s), 2048 // d
+                    flops = 4 * b * h * s * s * d / (2 if causal else 1)
+                    for impl in args.impls.split(","):
+                        row = dict(impl=impl, dtype=dt, headdim=d, causal=causal, seqlen=s, batch=b, nheads=h)
+                        if impl == "math" and s > args.math_max_seqlen:
+                            continue
+                        try:
+                            t_fwd, t_fb, peak = measure(impl, b, s, h, d, DTYPES[dt], causal)
+                            row.update(fwd_ms=t_fwd, bwd_ms=t_fb - t_fwd, peak_mb=peak / 2**20,
+                                       fwd_tflops=flops / t_fwd / 1e9, bwd_tflops=2.5 * flops / (t_fb - t_fwd) / 1e9)
+                        except RuntimeError as e:  # a backend that does not take this shape
+                            row.update(fwd_ms=None, bwd_ms=None, peak_mb=None, fwd_tflops=None, bwd_tflops=None,
+                                       error=str(e).splitlines()[0][:200])
+                        rows.append(row)
+                        torch.cuda.empty_cache()
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, cudnn=torch.backends.cudnn.version())
+    with open(args.out, "w") as f:
+        json.dump(dict(meta=meta, rows=rows), f, indent=1)
+    plot(rows, args.plot or os.path.splitext(args.out)[0] + ".png")
+
+    impls = args.impls.split(",")
+    print("fwd / bwd TFLOP/s; peak MB of fwd+bwd in brackets")
+    by = {(r["impl"], r["dtype"], r["headdim"], r["causal"], r["seqlen"]): r for r in rows}
+    for key in sorted({(r["dtype"], r["headdim"], r["causal"]) for r in rows}):
+        print(f"\n{key[0]} d={key[1]} causal={key[2]}")
+        print(f"{'seqlen':>6} " + " ".join(f"{i:>20}" for i in impls))
+        for s in map(int, args.seqlens.split(",")):
+            cells = []
+            for impl in impls:
+                r = by.get((impl,) + key + (s,))
+                cells.append(f"{'-':>20}" if not r or r["fwd_tflops"] is None else
+                             f"{r['fwd_tflops']:6.0f}/{r['bwd_tflops']:4.0f} [{r['peak_mb']:5.0f}]")
+            print(f"{s:>6} " + " ".join(f"{c:>20}" for c in cells))
+
+
+if __name__ == "__main__":
+    main()

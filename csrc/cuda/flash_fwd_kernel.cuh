@@ -1,0 +1,200 @@
+// The forward kernel: one CTA per (query block, head, batch). Q is loaded once; K and V tiles
+// stream through shared memory (V's copy overlaps S = QK^T, the next K's copy overlaps the
+// softmax and PV); the online softmax runs in registers in the log2 domain; O and the float32
+// logsumexp are written once.
+#pragma once
+
+#include "../flash_params.h"
+#include "dropout_frag.cuh"
+#include "kernel_traits.cuh"
+#include "softmax_frag.cuh"
+
+namespace flash::cuda {
+
+constexpr float kLn2 = 0.6931471805599453f;
+constexpr float kLog2e = 1.4426950408889634f;
+
+template <typename Elem>
+struct HeadPtrs {
+  const Elem *q, *k, *v;
+  uint32_t bh;  // batch * h + head: the dropout stream and the row of lse
+};
+
+template <typename Elem>
+__device__ __forceinline__ HeadPtrs<Elem> head_ptrs(const FwdParams& p, int b, int h) {
+  const int hk = h / p.h_h_k_ratio;
+  return HeadPtrs<Elem>{static_cast<const Elem*>(p.q_ptr) + b * p.q_batch_stride + h * p.q_head_stride,
+                        static_cast<const Elem*>(p.k_ptr) + b * p.k_batch_stride + hk * p.k_head_stride,
+                        static_cast<const Elem*>(p.v_ptr) + b * p.v_batch_stride + hk * p.v_head_stride,
+                        uint32_t(b) * uint32_t(p.h) + uint32_t(h)};
+}
+
+__device__ __forceinline__ ColRange cols_of(const FwdParams& p, int row) {
+  return visible_cols(row, p.seqlen_q, p.seqlen_k, p.window_size_left, p.window_size_right);
+}
+
+// Key blocks [begin, end) that the query rows [m0, m0 + rows) can see.
+template <int kBlockN>
+__device__ __forceinline__ void key_block_range(const FwdParams& p, int m0, int rows, int& begin, int& end) {
+  const int last = min(m0 + rows, p.seqlen_q) - 1;
+  const ColRange first_r = cols_of(p, m0), last_r = cols_of(p, last);
+  begin = first_r.lo / kBlockN;
+  end = (max(first_r.lo, last_r.hi) + kBlockN - 1) / kBlockN;
+}
+
+// Zero the dropped probabilities of a query-major (16 x kN) tile at (i16, j0).
+template <int kN>
+__device__ __forceinline__ void dropout_qmajor(float (&s)[kN / 8][4], const DropoutState& ds, uint32_t bh, int i16,
+                                               int j0, int lane) {
+#pragma unroll
+  for (int c = 0; c < kN / 16; ++c) {
+    bool keep[2][4];
+    dropout_keep_qmajor(keep, ds, bh, i16, j0 + c * 16, lane);
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh)
+#pragma unroll
+      for (int r = 0; r < 4; ++r)
+        if (!keep[hh][r]) s[2 * c + hh][r] = 0.f;
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(T::kNThreads) flash_fwd_kernel(const FwdParams p) {
+  using Elem = typename T::Elem;
+  constexpr int kD = T::kHeadDim, kM = T::kBlockM, kN = T::kBlockN, kS = T::kStride;
+  extern __shared__ __align__(16) char smem_raw[];
+  Elem* sQ = reinterpret_cast<Elem*>(smem_raw);
+  Elem* sK = sQ + T::kSmemQ;
+  Elem* sV = sK + T::kSmemKV;
+
+  const int m0 = blockIdx.x * kM, h = blockIdx.y, b = blockIdx.z;
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
+  const HeadPtrs<Elem> hp = head_ptrs<Elem>(p, b, h);
+  const bool dropout = p.p_dropout > 0.f;
+  DropoutState ds{};
+  if (dropout) {
+    ds = dropout_state_fwd(p);
+    if (p.rng_state_ptr != nullptr && blockIdx.x == 0 && h == 0 && b == 0 && tid == 0) {
+      p.rng_state_ptr[0] = int64_t(ds.seed);
+      p.rng_state_ptr[1] = int64_t(ds.offset);
+    }
+  }
+
+  int n_begin, n_end;
+  key_block_range<kN>(p, m0, kM, n_begin, n_end);
+  const int row0 = m0 + warp * 16 + g;
+  const ColRange rows[2] = {cols_of(p, row0), cols_of(p, row0 + 8)};
+
+  float acc[kD / 8][4];
+  zero<kD>(acc);
+  float m[2] = {kNegInf, kNegInf}, l[2] = {0.f, 0.f};
+
+  load_tile_async<kM, kD, T::kNThreads>(sQ, hp.q + m0 * p.q_row_stride, p.q_row_stride, p.seqlen_q - m0, p.d, tid);
+  if (n_begin < n_end)
+    load_tile_async<kN, kD, T::kNThreads>(sK, hp.k + int64_t(n_begin) * kN * p.k_row_stride, p.k_row_stride,
+                                          p.seqlen_k - n_begin * kN, p.d, tid);
+  cp_async_commit();
+
+  for (int nb = n_begin; nb < n_end; ++nb) {
+    const int j0 = nb * kN;
+    cp_async_wait<0>();
+    __syncthreads();  // K_j (and Q) are in; every warp is done with the previous V
+    load_tile_async<kN, kD, T::kNThreads>(sV, hp.v + j0 * p.v_row_stride, p.v_row_stride, p.seqlen_k - j0, p.d, tid);
+    cp_async_commit();
+
+    float s[kN / 8][4];
+    zero<kN>(s);
+    gemm_ss<Elem, kN, kD, kS>(s, sQ + warp * 16 * kS, sK, lane);
+    scale_acc<kN>(s, p.scale_softmax_log2);
+    if (!tile_fully_visible(p, m0, m0 + kM, j0, j0 + kN)) mask_qmajor<kN>(s, j0, rows, lane);
+
+    cp_async_wait<0>();
+    __syncthreads();  // V_j is in; every warp is done with K_j
+    if (nb + 1 < n_end) {
+      load_tile_async<kN, kD, T::kNThreads>(sK, hp.k + (j0 + kN) * p.k_row_stride, p.k_row_stride,
+                                            p.seqlen_k - j0 - kN, p.d, tid);
+      cp_async_commit();
+    }
+
+    online_softmax<kN, kD>(s, acc, m, l);
+    if (dropout) dropout_qmajor<kN>(s, ds, hp.bh, m0 + warp * 16, j0, lane);
+    uint32_t a[kN / 16][4];
+    acc_to_a<Elem, kN>(a, s);
+    gemm_rs<Elem, kN, kD, kS>(acc, a, sV, lane);
+  }
+
+  Elem* o = static_cast<Elem*>(p.o_ptr) + b * p.o_batch_stride + h * p.o_head_stride;
+#pragma unroll
+  for (int hr = 0; hr < 2; ++hr) {
+    const int row = row0 + 8 * hr;
+    const float lsum = quad_sum(l[hr]);
+    if (row >= p.seqlen_q) continue;
+    const float inv = lsum > 0.f ? p.rp_dropout / lsum : 0.f;
+    Elem* orow = o + row * p.o_row_stride;
+#pragma unroll
+    for (int dt = 0; dt < kD / 8; ++dt) {
+      const int col = dt * 8 + 2 * t;
+      if (col < p.d)
+        *reinterpret_cast<uint32_t*>(orow + col) = pack2<Elem>(acc[dt][2 * hr] * inv, acc[dt][2 * hr + 1] * inv);
+    }
+    if (t == 0)
+      p.softmax_lse_ptr[int64_t(hp.bh) * p.seqlen_q + row] = lsum > 0.f ? (m[hr] + __log2f(lsum)) * kLn2 : kNegInf;
+  }
+}
+
+// return_attn_probs: once the logsumexp is known, recompute each score tile and write the exact
+// probabilities (negated where dropout drops) to p_ptr, (batch, h, seqlen_q, seqlen_k) float32.
+template <typename T>
+__global__ void __launch_bounds__(T::kNThreads) flash_fwd_probs_kernel(const FwdParams p) {
+  using Elem = typename T::Elem;
+  constexpr int kD = T::kHeadDim, kM = T::kBlockM, kN = T::kBlockN, kS = T::kStride;
+  extern __shared__ __align__(16) char smem_raw[];
+  Elem* sQ = reinterpret_cast<Elem*>(smem_raw);
+  Elem* sK = sQ + T::kSmemQ;
+
+  const int m0 = blockIdx.x * kM, h = blockIdx.y, b = blockIdx.z;
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
+  const HeadPtrs<Elem> hp = head_ptrs<Elem>(p, b, h);
+  const bool dropout = p.p_dropout > 0.f;
+  const DropoutState ds = dropout ? dropout_state_bwd(p) : DropoutState{};
+  const int row0 = m0 + warp * 16 + g;
+  const ColRange rows[2] = {cols_of(p, row0), cols_of(p, row0 + 8)};
+  float lse2[2];
+#pragma unroll
+  for (int hr = 0; hr < 2; ++hr) {
+    const int row = row0 + 8 * hr;
+    const float lse = row < p.seqlen_q ? p.softmax_lse_ptr[int64_t(hp.bh) * p.seqlen_q + row] : kNegInf;
+    lse2[hr] = lse == kNegInf ? 0.f : lse * kLog2e;
+  }
+
+  load_tile_async<kM, kD, T::kNThreads>(sQ, hp.q + m0 * p.q_row_stride, p.q_row_stride, p.seqlen_q - m0, p.d, tid);
+  for (int j0 = 0; j0 < p.seqlen_k; j0 += kN) {
+    load_tile_async<kN, kD, T::kNThreads>(sK, hp.k + j0 * p.k_row_stride, p.k_row_stride, p.seqlen_k - j0, p.d, tid);
+    cp_async_commit();
+    cp_async_wait<0>();
+    __syncthreads();
+    float s[kN / 8][4];
+    zero<kN>(s);
+    gemm_ss<Elem, kN, kD, kS>(s, sQ + warp * 16 * kS, sK, lane);
+    scale_acc<kN>(s, p.scale_softmax_log2);
+    mask_qmajor<kN>(s, j0, rows, lane);
+    bool keep[kN / 16][2][4];
+#pragma unroll
+    for (int c = 0; c < kN / 16; ++c) {
+      if (dropout) dropout_keep_qmajor(keep[c], ds, hp.bh, m0 + warp * 16, j0 + c * 16, lane);
+    }
+#pragma unroll
+    for (int n = 0; n < kN / 8; ++n)
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {
+        const int row = row0 + 8 * (r >> 1), col = j0 + n * 8 + 2 * t + (r & 1);
+        if (row >= p.seqlen_q || col >= p.seqlen_k) continue;
+        float prob = fast_exp2(s[n][r] - lse2[r >> 1]);
+        if (dropout && !keep[n / 2][n % 2][r]) prob = -prob;
+        p.p_ptr[(int64_t(hp.bh) * p.seqlen_q + row) * p.seqlen_k + col] = prob;
+      }
+    __syncthreads();  // before the next K tile overwrites sK
+  }
+}
+
+}  // namespace flash::cuda

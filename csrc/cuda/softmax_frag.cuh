@@ -1,0 +1,91 @@
+// Row-wise pieces of the attention kernels on query-major accumulator fragments: masking,
+// the online softmax update, and quad (4-lane) reductions across a row.
+#pragma once
+
+#include <cmath>
+
+#include "../mask.h"
+#include "warp_tiles.cuh"
+
+namespace flash::cuda {
+
+constexpr float kNegInf = -INFINITY;
+
+__device__ __forceinline__ float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+__device__ __forceinline__ float quad_max(float x) {
+  x = fmaxf(x, __shfl_xor_sync(0xffffffff, x, 1));
+  return fmaxf(x, __shfl_xor_sync(0xffffffff, x, 2));
+}
+__device__ __forceinline__ float quad_sum(float x) {
+  x += __shfl_xor_sync(0xffffffff, x, 1);
+  return x + __shfl_xor_sync(0xffffffff, x, 2);
+}
+
+template <int kN>
+__device__ __forceinline__ void scale_acc(float (&s)[kN / 8][4], float scale) {
+#pragma unroll
+  for (int n = 0; n < kN / 8; ++n)
+#pragma unroll
+    for (int r = 0; r < 4; ++r) s[n][r] *= scale;
+}
+
+// Query-major: the thread's rows have visible key ranges rows[0] (row g) and rows[1] (row g+8);
+// columns j0 + 8n + 2t + {0,1}. Invisible scores become -inf.
+template <int kN>
+__device__ __forceinline__ void mask_qmajor(float (&s)[kN / 8][4], int j0, const ColRange (&rows)[2], int lane) {
+#pragma unroll
+  for (int n = 0; n < kN / 8; ++n)
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      const int col = j0 + n * 8 + 2 * (lane % 4) + (r & 1);
+      const ColRange& cr = rows[r >> 1];
+      if (col < cr.lo || col >= cr.hi) s[n][r] = kNegInf;
+    }
+}
+
+// Whether a whole (rows [i0, i1), keys [j0, j1)) tile is visible, so masking can be skipped.
+__device__ __forceinline__ bool tile_fully_visible(const FwdParams& p, int i0, int i1, int j0, int j1) {
+  const ColRange first = visible_cols(i0, p.seqlen_q, p.seqlen_k, p.window_size_left, p.window_size_right);
+  const ColRange last = visible_cols(i1 - 1, p.seqlen_q, p.seqlen_k, p.window_size_left, p.window_size_right);
+  return last.lo <= j0 && first.hi >= j1;
+}
+
+// Online softmax over one tile of log2-domain scores s (already scaled and masked): update the
+// running max m and (thread-partial) sum l of both rows, turn s into unnormalised probabilities
+// and rescale the output accumulator.
+template <int kN, int kD>
+__device__ __forceinline__ void online_softmax(float (&s)[kN / 8][4], float (&acc)[kD / 8][4], float (&m)[2],
+                                               float (&l)[2]) {
+#pragma unroll
+  for (int hr = 0; hr < 2; ++hr) {
+    float mx = kNegInf;
+#pragma unroll
+    for (int n = 0; n < kN / 8; ++n) mx = fmaxf(mx, fmaxf(s[n][2 * hr], s[n][2 * hr + 1]));
+    const float m_new = fmaxf(m[hr], quad_max(mx));
+    const float m_use = m_new == kNegInf ? 0.f : m_new;  // a row with nothing visible yet stays 0
+    const float alpha = fast_exp2(m[hr] - m_use);
+    m[hr] = m_new;
+    float sum = 0.f;
+#pragma unroll
+    for (int n = 0; n < kN / 8; ++n)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const float pv = fast_exp2(s[n][2 * hr + e] - m_use);
+        s[n][2 * hr + e] = pv;
+        sum += pv;
+      }
+    l[hr] = l[hr] * alpha + sum;
+#pragma unroll
+    for (int d = 0; d < kD / 8; ++d) {
+      acc[d][2 * hr] *= alpha;
+      acc[d][2 * hr + 1] *= alpha;
+    }
+  }
+}
+
+}  // namespace flash::cuda

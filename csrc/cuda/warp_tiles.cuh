@@ -1,0 +1,85 @@
+// Warp-level building blocks on shared-memory tiles. A tile is a row-major array of 16-bit
+// elements with a row stride of kHeadDim + 8 elements: the 16-byte pad puts the 8 rows one
+// ldmatrix reads in 8 different bank groups, so fragment loads are conflict-free.
+#pragma once
+
+#include "mma_sm80.cuh"
+
+namespace flash::cuda {
+
+template <int kHeadDim>
+struct Tile {
+  static constexpr int kStride = kHeadDim + 8;  // elements per shared-memory row
+};
+
+// Cooperative cp.async of rows [0, kRows) of a (rows, head_dim) global tile into shared memory.
+// Rows >= valid_rows and columns >= d are zero-filled (d is a multiple of 8).
+template <int kRows, int kHeadDim, int kThreads, typename Elem>
+__device__ __forceinline__ void load_tile_async(Elem* smem, const Elem* gmem, int64_t row_stride, int valid_rows,
+                                                int d, int tid) {
+  constexpr int kChunksPerRow = kHeadDim / 8;
+  constexpr int kChunks = kRows * kChunksPerRow;
+#pragma unroll
+  for (int c = tid; c < kChunks; c += kThreads) {
+    const int row = c / kChunksPerRow, col = (c % kChunksPerRow) * 8;
+    const bool valid = row < valid_rows && col < d;
+    const Elem* src = valid ? gmem + row * row_stride + col : gmem;
+    cp_async_16(smem + row * Tile<kHeadDim>::kStride + col, src, valid);
+  }
+}
+
+// acc (16 x kN) += A (16 x kK, rows of sA) * B^T, where sB holds B^T as kN rows of kK elements.
+// Both operands come from shared memory; kStride is the row stride of both tiles.
+template <typename Elem, int kN, int kK, int kStride>
+__device__ __forceinline__ void gemm_ss(float (&acc)[kN / 8][4], const Elem* sA, const Elem* sB, int lane) {
+#pragma unroll
+  for (int kk = 0; kk < kK / 16; ++kk) {
+    uint32_t a[4];
+    ldmatrix_x4(a, sA + (lane % 16) * kStride + kk * 16 + (lane / 16) * 8);
+#pragma unroll
+    for (int nn = 0; nn < kN / 16; ++nn) {
+      uint32_t b[4];
+      ldmatrix_x4(b, sB + (nn * 16 + (lane % 8) + 8 * (lane / 16)) * kStride + kk * 16 + 8 * ((lane / 8) % 2));
+      mma_16816<Elem>(acc[2 * nn], a, b[0], b[1]);
+      mma_16816<Elem>(acc[2 * nn + 1], a, b[2], b[3]);
+    }
+  }
+}
+
+// acc (16 x kN) += A (16 x kK, held as mma A fragments) * B, where sB holds B (kK rows of kN).
+template <typename Elem, int kK, int kN, int kStride>
+__device__ __forceinline__ void gemm_rs(float (&acc)[kN / 8][4], const uint32_t (&a)[kK / 16][4], const Elem* sB,
+                                        int lane) {
+#pragma unroll
+  for (int kk = 0; kk < kK / 16; ++kk) {
+#pragma unroll
+    for (int nn = 0; nn < kN / 16; ++nn) {
+      uint32_t b[4];
+      ldmatrix_x4_trans(b, sB + (kk * 16 + (lane % 8) + 8 * ((lane / 8) % 2)) * kStride + nn * 16 + 8 * (lane / 16));
+      mma_16816<Elem>(acc[2 * nn], a[kk], b[0], b[1]);
+      mma_16816<Elem>(acc[2 * nn + 1], a[kk], b[2], b[3]);
+    }
+  }
+}
+
+// The accumulator of one gemm (16 x kN, fp32) as the A operand of the next (16-bit).
+template <typename Elem, int kN>
+__device__ __forceinline__ void acc_to_a(uint32_t (&a)[kN / 16][4], const float (&c)[kN / 8][4]) {
+#pragma unroll
+  for (int kk = 0; kk < kN / 16; ++kk) {
+    a[kk][0] = pack2<Elem>(c[2 * kk][0], c[2 * kk][1]);
+    a[kk][1] = pack2<Elem>(c[2 * kk][2], c[2 * kk][3]);
+    a[kk][2] = pack2<Elem>(c[2 * kk + 1][0], c[2 * kk + 1][1]);
+    a[kk][3] = pack2<Elem>(c[2 * kk + 1][2], c[2 * kk + 1][3]);
+  }
+}
+
+template <int kN>
+__device__ __forceinline__ void zero(float (&acc)[kN / 8][4]) {
+#pragma unroll
+  for (int n = 0; n < kN / 8; ++n)
+#pragma unroll
+    for (int r = 0; r < 4; ++r) acc[n][r] = 0.f;
+}
+
+}  // namespace flash::cuda

@@ -1,0 +1,179 @@
+"""CUDA kernels against a float64 reference (tolerance rule of DEVELOPERS.md), against the CPU
+implementation, and for determinism. Skipped without a GPU."""
+
+import math
+
+import pytest
+import torch
+
+from flash_attn import flash_attn_func
+from reference import attention_ref, check_rule
+
+pytestmark = pytest.mark.gpu
+
+DTYPES = [torch.float16, torch.bfloat16]
+HEAD_DIMS = [32, 40, 64, 96, 128, 160, 192, 224, 256]
+
+
+def poison_allocator():
+    # Fill freed cached blocks with NaN so an output element the kernels never write shows up.
+    x = torch.full((64 * 2**20,), float("nan"), device="cuda")
+    del x
+
+
+def make(b, sq, sk, h, hk, d, dtype):
+    q = torch.randn(b, sq, h, d, device="cuda", dtype=dtype, requires_grad=True)
+    k = torch.randn(b, sk, hk, d, device="cuda", dtype=dtype, requires_grad=True)
+    v = torch.randn(b, sk, hk, d, device="cuda", dtype=dtype, requires_grad=True)
+    return q, k, v
+
+
+def check_against_reference(q, k, v, causal=False, window_size=(-1, -1), dropout_p=0.0):
+    dtype = q.dtype
+    poison_allocator()
+    out, lse, s_dmask = flash_attn_func(q, k, v, dropout_p=dropout_p, causal=causal, window_size=window_size,
+                                        return_attn_probs=True)
+    keep = None if dropout_p == 0 else ~torch.signbit(s_dmask)
+    dout = torch.randn_like(out)
+    poison_allocator()
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    kw = dict(causal=causal, window_size=window_size, dropout_p=dropout_p, keep_mask=keep)
+    ref, _ = attention_ref(q, k, v, **kw)
+    ref_grads = torch.autograd.grad(ref, (q, k, v), dout.double())
+    pt, _ = attention_ref(q, k, v, upcast=False, **kw)
+    pt_grads = torch.autograd.grad(pt, (q, k, v), dout)
+    check_rule("out", out, ref, pt, dtype)
+    for name, g, rg, pg in zip(("dq", "dk", "dv"), grads, ref_grads, pt_grads):
+        check_rule(name, g, rg, pg, dtype)
+    assert torch.isfinite(lse[~torch.isneginf(lse)]).all()
+    return out, grads
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("d", HEAD_DIMS)
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("sq,sk", [(1, 1), (1, 17), (17, 113), (113, 17), (128, 128), (113, 1000)])
+def test_small(sq, sk, d, causal, dtype):
+    check_against_reference(*make(2, sq, sk, 4, 2, d, dtype), causal=causal)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("s", [1000, 2048, 4097])
+def test_long(s, d, causal, dtype):
+    check_against_reference(*make(1, s, s, 2, 2, d, dtype), causal=causal)
+
+
+@pytest.mark.parametrize("hk", [1, 2, 8])
+def test_gqa_ratios(hk):
+    check_against_reference(*make(2, 300, 257, 8, hk, 64, torch.bfloat16), causal=True)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("sq,sk", [(113, 203), (1000, 1000)])
+def test_dropout(sq, sk, d, causal, dtype):
+    check_against_reference(*make(2, sq, sk, 4, 2, d, dtype), causal=causal, dropout_p=0.17)
+
+
+@pytest.mark.parametrize("window_size", [(0, 0), (16, 0), (5, 9), (-1, 3), (100, -1)])
+def test_window(window_size):
+    check_against_reference(*make(2, 500, 700, 4, 4, 64, torch.bfloat16), window_size=window_size)
+
+
+def test_odd_head_dim_is_padded():
+    check_against_reference(*make(2, 77, 99, 2, 1, 33, torch.float16), causal=True)
+
+
+def test_non_contiguous_inputs():
+    b, s, h, d = 2, 300, 4, 64
+    qkv = torch.randn(b, s, 3, h, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+    check_against_reference(q, k, v, causal=True)
+
+
+@pytest.mark.parametrize("dropout_p", [0.0, 0.2])
+def test_cuda_matches_cpu(dropout_p):
+    # Same inputs, same rng_state: the CUDA backward must regenerate the CPU's dropout mask.
+    q, k, v = [t.detach() for t in make(2, 200, 300, 4, 2, 64, torch.bfloat16)]
+    out, lse, _, rng = torch.ops.flash_attn.fwd(q, k, v, dropout_p, None, True)
+    dout = torch.randn_like(out)
+    gpu = torch.ops.flash_attn.bwd(dout, q, k, v, out, lse, dropout_p, None, True, -1, -1, False, rng)
+    cpu = torch.ops.flash_attn.bwd(*[t.cpu().float() for t in (dout, q, k, v, out)], lse.cpu(), dropout_p, None, True,
+                                   -1, -1, False, rng.cpu())
+    for g, c in zip(gpu, cpu):
+        torch.testing.assert_close(g.float().cpu(), c, atol=2e-2, rtol=2e-2)
+    if dropout_p == 0:
+        cpu_out, cpu_lse, _, _ = torch.ops.flash_attn.fwd(q.cpu().float(), k.cpu().float(), v.cpu().float(), 0.0, None, True)
+        torch.testing.assert_close(out.float().cpu(), cpu_out, atol=1e-2, rtol=1e-2)
+        torch.testing.assert_close(lse.cpu(), cpu_lse, atol=1e-3, rtol=1e-3)
+
+
+def test_deterministic_backward():
+    q, k, v = make(2, 1000, 1000, 4, 2, 128, torch.bfloat16)
+    dout = torch.randn(2, 1000, 4, 128, device="cuda", dtype=torch.bfloat16)
+    first = torch.autograd.grad(flash_attn_func(q, k, v, causal=True, deterministic=True), (q, k, v), dout)
+    second = torch.autograd.grad(flash_attn_func(q, k, v, causal=True, deterministic=True), (q, k, v), dout)
+    for a, b in zip(first, second):
+        assert torch.equal(a, b)
+
+
+def test_dropout_keep_rate_and_seed():
+    q, k, v = [t.detach() for t in make(2, 512, 512, 4, 4, 64, torch.float16)]
+    torch.manual_seed(7)
+    a, _, s_dmask = flash_attn_func(q, k, v, dropout_p=0.3, return_attn_probs=True)
+    torch.manual_seed(7)
+    b = flash_attn_func(q, k, v, dropout_p=0.3)
+    assert torch.equal(a, b)
+    kept = (~torch.signbit(s_dmask)).float().mean().item()
+    assert abs(kept - 0.7) < 3e-3
+
+
+def test_rows_with_nothing_to_attend_give_zero():
+    q, k, v = make(1, 40, 10, 2, 2, 64, torch.bfloat16)
+    out, lse, _ = flash_attn_func(q, k, v, causal=True, return_attn_probs=True)
+    assert torch.all(out[:, :30] == 0) and torch.isneginf(lse[:, :, :30]).all()
+    out.sum().backward()
+    assert all(torch.isfinite(g).all() for g in (q.grad, k.grad, v.grad))
+
+
+def test_over_2_31_elements():
+    # 64-bit offsets: q, k, v of 8193 x 2048 x 1 x 128 > 2^31 elements each; check the last batches.
+    b, s, d = 8193, 2048, 128
+    q, k, v = [torch.randn(b, s, 1, d, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
+    assert q.numel() > 2**31
+    out = flash_attn_func(q, k, v, causal=True)
+    tail = slice(b - 2, b)
+    ref, _ = attention_ref(q[tail], k[tail], v[tail], causal=True)
+    pt, _ = attention_ref(q[tail], k[tail], v[tail], causal=True, upcast=False)
+    check_rule("out", out[tail], ref, pt, torch.bfloat16)
+
+
+def test_cuda_errors():
+    q = torch.randn(1, 8, 2, 64, device="cuda")
+    with pytest.raises(RuntimeError, match="CUDA kernels take float16 or bfloat16"):
+        flash_attn_func(q, q, q)
+
+
+@pytest.mark.parametrize("dropout_p", [0.0, 0.1])
+def test_compile_and_cuda_graphs(dropout_p):
+    torch._dynamo.reset()
+    lin = torch.nn.Linear(128, 3 * 128, device="cuda", dtype=torch.bfloat16)
+
+    def step(x):
+        b, s, _ = x.shape
+        qkv = lin(x).view(b, s, 3, 2, 64)
+        return flash_attn_func(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], dropout_p=dropout_p, causal=True)
+
+    compiled = torch.compile(step, fullgraph=True, mode="reduce-overhead")
+    x = torch.randn(2, 256, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    for _ in range(3):
+        torch.compiler.cudagraph_mark_step_begin()
+        out = compiled(x)
+        out.float().sum().backward()
+        out = out.detach().clone()
+    assert torch.isfinite(x.grad).all()
+    if dropout_p == 0:
+        torch.testing.assert_close(out, step(x), atol=2e-2, rtol=2e-2)
