@@ -280,8 +280,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> mha_bwd(
     const at::Tensor qc = cuda_operand(q, d8), kc = cuda_operand(k, d8), vc = cuda_operand(v, d8);
     const at::Tensor oc = cuda_operand(out, d8), doc = cuda_operand(dout, d8);
     at::Tensor dq = at::empty({s.b, s.seqlen_q, s.h, d8}, q.options());
-    at::Tensor dk_accum = at::zeros({s.b, s.h, s.seqlen_k, d8}, f32);
-    at::Tensor dv_accum = at::zeros({s.b, s.h, s.seqlen_k, d8}, f32);
+    // Without GQA the kernel writes dK/dV in the input dtype; with GQA per-query-head float32
+    // partials that are summed here. A CTA with no visible query still writes zeros.
+    const bool gqa = s.h != s.h_k;
+    const auto kv_alloc = [&](at::TensorOptions o, std::initializer_list<int64_t> shape) {
+      return s.seqlen_q == 0 ? at::zeros(shape, o) : at::empty(shape, o);
+    };
+    at::Tensor dk = gqa ? kv_alloc(f32, {s.b, s.h, s.seqlen_k, d8}) : kv_alloc(q.options(), {s.b, s.seqlen_k, s.h_k, d8});
+    at::Tensor dv = gqa ? kv_alloc(f32, {s.b, s.h, s.seqlen_k, d8}) : kv_alloc(q.options(), {s.b, s.seqlen_k, s.h_k, d8});
     at::Tensor dsum = at::empty({s.b, s.h, s.seqlen_q}, f32);
     at::Tensor rng = dropout_p > 0.0 ? rng_state->to(q.device()) : at::Tensor();
     BwdParams p;
@@ -291,14 +297,22 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> mha_bwd(
     set_strides(doc, p.do_batch_stride, p.do_row_stride, p.do_head_stride);
     p.dq_ptr = dq.data_ptr();
     set_strides(dq, p.dq_batch_stride, p.dq_row_stride, p.dq_head_stride);
-    p.dk_accum_ptr = dk_accum.data_ptr<float>();
-    p.dv_accum_ptr = dv_accum.data_ptr<float>();
+    if (gqa) {
+      p.dk_accum_ptr = dk.data_ptr<float>();
+      p.dv_accum_ptr = dv.data_ptr<float>();
+    } else {
+      p.dk_ptr = dk.data_ptr();
+      p.dv_ptr = dv.data_ptr();
+      set_strides(dk, p.dk_batch_stride, p.dk_row_stride, p.dk_head_stride);
+      set_strides(dv, p.dv_batch_stride, p.dv_row_stride, p.dv_head_stride);
+    }
     p.dsoftmax_sum_ptr = dsum.data_ptr<float>();
     p.rng_state_ptr = dropout_p > 0.0 ? rng.data_ptr<int64_t>() : nullptr;
     p.deterministic = true;
     if (s.seqlen_k == 0) dq.zero_();
     cuda::run_bwd(p, at::cuda::getCurrentCUDAStream().stream());
-    return {d8 == s.d ? dq : dq.narrow(3, 0, s.d).contiguous(), group_sum(dk_accum), group_sum(dv_accum)};
+    const auto trim = [&](const at::Tensor& x) { return d8 == s.d ? x : x.narrow(3, 0, s.d).contiguous(); };
+    return {trim(dq), gqa ? group_sum(dk) : trim(dk), gqa ? group_sum(dv) : trim(dv)};
   }
 #endif
 

@@ -79,7 +79,8 @@ struct BwdParams : FwdParams {
   // CUDA: rowsum(dO * O) per (batch, h, seqlen_q) row, float32, from the pre-pass.
   float* __restrict__ dsoftmax_sum_ptr = nullptr;
 
-  // float32 scratch the op layer allocates: per-query-head dK/dV before the GQA group sum,
+  // CUDA without GQA: dK/dV go straight to dk_ptr / dv_ptr (dk_accum_ptr == nullptr).
+  // Otherwise float32 scratch the op layer allocates: per-query-head dK/dV before the GQA group sum,
   // laid out (batch, h, seqlen_k, d) contiguous, and dQ partial sums, one per split of the key
   // blocks, laid out (batch, h, num_splits, seqlen_q, d) and summed by the op layer.
   float* __restrict__ dk_accum_ptr = nullptr;

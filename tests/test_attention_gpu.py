@@ -171,6 +171,8 @@ def test_compile_and_cuda_graphs(dropout_p):
     x = torch.randn(2, 256, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     for _ in range(3):
         torch.compiler.cudagraph_mark_step_begin()
+        x.grad = None  # gradients of a replayed graph live in its memory pool: do not accumulate
+        lin.zero_grad(set_to_none=True)
         out = compiled(x)
         out.float().sum().backward()
         out = out.detach().clone()

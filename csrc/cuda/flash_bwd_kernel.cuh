@@ -156,8 +156,12 @@ __global__ void __launch_bounds__(T::kNThreads) flash_bwd_dkdv_kernel(const BwdP
     __syncthreads();  // every warp is done with sQ, sdO and the row stats
   }
 
-  // Per-query-head float32 dK/dV: the op layer sums GQA groups and converts.
+  // Without GQA dK/dV are final: write them in the input dtype. With GQA write per-query-head
+  // float32 partials; the op layer sums each group.
   const int64_t head_off = int64_t(hp.bh) * p.seqlen_k * p.d;
+  Elem* dk_out = static_cast<Elem*>(p.dk_ptr) + b * p.dk_batch_stride + h * p.dk_head_stride;
+  Elem* dv_out = static_cast<Elem*>(p.dv_ptr) + b * p.dv_batch_stride + h * p.dv_head_stride;
+  const bool direct = p.dk_accum_ptr == nullptr;
 #pragma unroll
   for (int hr = 0; hr < 2; ++hr) {
     const int key = kw + g + 8 * hr;
@@ -167,8 +171,18 @@ __global__ void __launch_bounds__(T::kNThreads) flash_bwd_dkdv_kernel(const BwdP
       const int col = dt * 8 + 2 * t;
       if (col >= p.d) continue;
       const int64_t off = head_off + int64_t(key) * p.d + col;
-      if constexpr (T::kDoDK) *reinterpret_cast<float2*>(p.dk_accum_ptr + off) = make_float2(dk[dt][2 * hr], dk[dt][2 * hr + 1]);
-      if constexpr (T::kDoDV) *reinterpret_cast<float2*>(p.dv_accum_ptr + off) = make_float2(dv[dt][2 * hr], dv[dt][2 * hr + 1]);
+      if constexpr (T::kDoDK) {
+        if (direct)
+          *reinterpret_cast<uint32_t*>(dk_out + key * p.dk_row_stride + col) = pack2<Elem>(dk[dt][2 * hr], dk[dt][2 * hr + 1]);
+        else
+          *reinterpret_cast<float2*>(p.dk_accum_ptr + off) = make_float2(dk[dt][2 * hr], dk[dt][2 * hr + 1]);
+      }
+      if constexpr (T::kDoDV) {
+        if (direct)
+          *reinterpret_cast<uint32_t*>(dv_out + key * p.dv_row_stride + col) = pack2<Elem>(dv[dt][2 * hr], dv[dt][2 * hr + 1]);
+        else
+          *reinterpret_cast<float2*>(p.dv_accum_ptr + off) = make_float2(dv[dt][2 * hr], dv[dt][2 * hr + 1]);
+      }
     }
   }
 }

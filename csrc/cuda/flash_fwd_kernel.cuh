@@ -61,7 +61,7 @@ __device__ __forceinline__ void dropout_qmajor(float (&s)[kN / 8][4], const Drop
 template <typename T>
 __global__ void __launch_bounds__(T::kNThreads) flash_fwd_kernel(const FwdParams p) {
   using Elem = typename T::Elem;
-  constexpr int kD = T::kHeadDim, kM = T::kBlockM, kN = T::kBlockN, kS = T::kStride;
+  constexpr int kD = T::kHeadDim, kM = T::kBlockM, kN = T::kBlockN, kS = T::kStride, kMT = T::kMTiles;
   extern __shared__ __align__(16) char smem_raw[];
   Elem* sQ = reinterpret_cast<Elem*>(smem_raw);
   Elem* sK = sQ + T::kSmemQ;
@@ -82,12 +82,22 @@ __global__ void __launch_bounds__(T::kNThreads) flash_fwd_kernel(const FwdParams
 
   int n_begin, n_end;
   key_block_range<kN>(p, m0, kM, n_begin, n_end);
-  const int row0 = m0 + warp * 16 + g;
-  const ColRange rows[2] = {cols_of(p, row0), cols_of(p, row0 + 8)};
+  const int warp_row = warp * 16 * kMT;  // first query of this warp, relative to m0
+  ColRange rows[kMT][2];
+#pragma unroll
+  for (int mt = 0; mt < kMT; ++mt) {
+    rows[mt][0] = cols_of(p, m0 + warp_row + mt * 16 + g);
+    rows[mt][1] = cols_of(p, m0 + warp_row + mt * 16 + g + 8);
+  }
 
-  float acc[kD / 8][4];
-  zero<kD>(acc);
-  float m[2] = {kNegInf, kNegInf}, l[2] = {0.f, 0.f};
+  float acc[kMT][kD / 8][4];
+  float m[kMT][2], l[kMT][2];
+#pragma unroll
+  for (int mt = 0; mt < kMT; ++mt) {
+    zero<kD>(acc[mt]);
+    m[mt][0] = m[mt][1] = kNegInf;
+    l[mt][0] = l[mt][1] = 0.f;
+  }
 
   load_tile_async<kM, kD, T::kNThreads>(sQ, hp.q + m0 * p.q_row_stride, p.q_row_stride, p.seqlen_q - m0, p.d, tid);
   if (n_begin < n_end)
@@ -102,11 +112,16 @@ __global__ void __launch_bounds__(T::kNThreads) flash_fwd_kernel(const FwdParams
     load_tile_async<kN, kD, T::kNThreads>(sV, hp.v + j0 * p.v_row_stride, p.v_row_stride, p.seqlen_k - j0, p.d, tid);
     cp_async_commit();
 
-    float s[kN / 8][4];
-    zero<kN>(s);
-    gemm_ss<Elem, kN, kD, kS>(s, sQ + warp * 16 * kS, sK, lane);
-    scale_acc<kN>(s, p.scale_softmax_log2);
-    if (!tile_fully_visible(p, m0, m0 + kM, j0, j0 + kN)) mask_qmajor<kN>(s, j0, rows, lane);
+    float s[kMT][kN / 8][4];
+#pragma unroll
+    for (int mt = 0; mt < kMT; ++mt) zero<kN>(s[mt]);
+    gemm_ss<Elem, kMT, kN, kD, kS>(s, sQ + warp_row * kS, sK, lane);
+    const bool masked = !tile_fully_visible(p, m0, m0 + kM, j0, j0 + kN);
+#pragma unroll
+    for (int mt = 0; mt < kMT; ++mt) {
+      scale_acc<kN>(s[mt], p.scale_softmax_log2);
+      if (masked) mask_qmajor<kN>(s[mt], j0, rows[mt], lane);
+    }
 
     cp_async_wait<0>();
     __syncthreads();  // V_j is in; every warp is done with K_j
@@ -116,30 +131,37 @@ __global__ void __launch_bounds__(T::kNThreads) flash_fwd_kernel(const FwdParams
       cp_async_commit();
     }
 
-    online_softmax<kN, kD>(s, acc, m, l);
-    if (dropout) dropout_qmajor<kN>(s, ds, hp.bh, m0 + warp * 16, j0, lane);
-    uint32_t a[kN / 16][4];
-    acc_to_a<Elem, kN>(a, s);
-    gemm_rs<Elem, kN, kD, kS>(acc, a, sV, lane);
+    uint32_t a[kMT][kN / 16][4];
+#pragma unroll
+    for (int mt = 0; mt < kMT; ++mt) {
+      online_softmax<kN, kD>(s[mt], acc[mt], m[mt], l[mt]);
+      if (dropout) dropout_qmajor<kN>(s[mt], ds, hp.bh, m0 + warp_row + mt * 16, j0, lane);
+      acc_to_a<Elem, kN>(a[mt], s[mt]);
+    }
+    gemm_rs<Elem, kMT, kN, kD, kS>(acc, a, sV, lane);
   }
 
   Elem* o = static_cast<Elem*>(p.o_ptr) + b * p.o_batch_stride + h * p.o_head_stride;
 #pragma unroll
-  for (int hr = 0; hr < 2; ++hr) {
-    const int row = row0 + 8 * hr;
-    const float lsum = quad_sum(l[hr]);
-    if (row >= p.seqlen_q) continue;
-    const float inv = lsum > 0.f ? p.rp_dropout / lsum : 0.f;
-    Elem* orow = o + row * p.o_row_stride;
+  for (int mt = 0; mt < kMT; ++mt)
 #pragma unroll
-    for (int dt = 0; dt < kD / 8; ++dt) {
-      const int col = dt * 8 + 2 * t;
-      if (col < p.d)
-        *reinterpret_cast<uint32_t*>(orow + col) = pack2<Elem>(acc[dt][2 * hr] * inv, acc[dt][2 * hr + 1] * inv);
+    for (int hr = 0; hr < 2; ++hr) {
+      const int row = m0 + warp_row + mt * 16 + g + 8 * hr;
+      const float lsum = quad_sum(l[mt][hr]);
+      if (row >= p.seqlen_q) continue;
+      const float inv = lsum > 0.f ? p.rp_dropout / lsum : 0.f;
+      Elem* orow = o + row * p.o_row_stride;
+#pragma unroll
+      for (int dt = 0; dt < kD / 8; ++dt) {
+        const int col = dt * 8 + 2 * t;
+        if (col < p.d)
+          *reinterpret_cast<uint32_t*>(orow + col) =
+              pack2<Elem>(acc[mt][dt][2 * hr] * inv, acc[mt][dt][2 * hr + 1] * inv);
+      }
+      if (t == 0)
+        p.softmax_lse_ptr[int64_t(hp.bh) * p.seqlen_q + row] =
+            lsum > 0.f ? (m[mt][hr] + __log2f(lsum)) * kLn2 : kNegInf;
     }
-    if (t == 0)
-      p.softmax_lse_ptr[int64_t(hp.bh) * p.seqlen_q + row] = lsum > 0.f ? (m[hr] + __log2f(lsum)) * kLn2 : kNegInf;
-  }
 }
 
 // return_attn_probs: once the logsumexp is known, recompute each score tile and write the exact
@@ -157,15 +179,6 @@ __global__ void __launch_bounds__(T::kNThreads) flash_fwd_probs_kernel(const Fwd
   const HeadPtrs<Elem> hp = head_ptrs<Elem>(p, b, h);
   const bool dropout = p.p_dropout > 0.f;
   const DropoutState ds = dropout ? dropout_state_bwd(p) : DropoutState{};
-  const int row0 = m0 + warp * 16 + g;
-  const ColRange rows[2] = {cols_of(p, row0), cols_of(p, row0 + 8)};
-  float lse2[2];
-#pragma unroll
-  for (int hr = 0; hr < 2; ++hr) {
-    const int row = row0 + 8 * hr;
-    const float lse = row < p.seqlen_q ? p.softmax_lse_ptr[int64_t(hp.bh) * p.seqlen_q + row] : kNegInf;
-    lse2[hr] = lse == kNegInf ? 0.f : lse * kLog2e;
-  }
 
   load_tile_async<kM, kD, T::kNThreads>(sQ, hp.q + m0 * p.q_row_stride, p.q_row_stride, p.seqlen_q - m0, p.d, tid);
   for (int j0 = 0; j0 < p.seqlen_k; j0 += kN) {
@@ -173,15 +186,25 @@ __global__ void __launch_bounds__(T::kNThreads) flash_fwd_probs_kernel(const Fwd
     cp_async_commit();
     cp_async_wait<0>();
     __syncthreads();
+    for (int mt = 0; mt < T::kMTiles; ++mt) {  // 16-row tiles of this warp, one at a time
+    const int i16 = m0 + (warp * T::kMTiles + mt) * 16, row0 = i16 + g;
+    const ColRange rows[2] = {cols_of(p, row0), cols_of(p, row0 + 8)};
+    float lse2[2];
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) {
+      const int row = row0 + 8 * hr;
+      const float lse = row < p.seqlen_q ? p.softmax_lse_ptr[int64_t(hp.bh) * p.seqlen_q + row] : kNegInf;
+      lse2[hr] = lse == kNegInf ? 0.f : lse * kLog2e;
+    }
     float s[kN / 8][4];
     zero<kN>(s);
-    gemm_ss<Elem, kN, kD, kS>(s, sQ + warp * 16 * kS, sK, lane);
+    gemm_ss<Elem, kN, kD, kS>(s, sQ + (i16 - m0) * kS, sK, lane);
     scale_acc<kN>(s, p.scale_softmax_log2);
     mask_qmajor<kN>(s, j0, rows, lane);
     bool keep[kN / 16][2][4];
 #pragma unroll
     for (int c = 0; c < kN / 16; ++c) {
-      if (dropout) dropout_keep_qmajor(keep[c], ds, hp.bh, m0 + warp * 16, j0 + c * 16, lane);
+      if (dropout) dropout_keep_qmajor(keep[c], ds, hp.bh, i16, j0 + c * 16, lane);
     }
 #pragma unroll
     for (int n = 0; n < kN / 8; ++n)
@@ -193,6 +216,7 @@ __global__ void __launch_bounds__(T::kNThreads) flash_fwd_probs_kernel(const Fwd
         if (dropout && !keep[n / 2][n % 2][r]) prob = -prob;
         p.p_ptr[(int64_t(hp.bh) * p.seqlen_q + row) * p.seqlen_k + col] = prob;
       }
+    }
     __syncthreads();  // before the next K tile overwrites sK
   }
 }

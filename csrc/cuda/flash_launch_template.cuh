@@ -21,10 +21,12 @@ void launch(void (*kernel)(Params), dim3 grid, const Params& p, cudaStream_t str
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-// Forward tiles: 128 query rows (8 warps) up to head dim 128, else 64; keys per step shrink with
-// the head dim to keep the score and output accumulators in registers.
+// Forward tiles: up to head dim 128, 128 query rows on 4 warps of two 16-row tiles each; above
+// that 64 rows on 4 warps of one tile. Keys per step shrink with the head dim to keep the score
+// and output accumulators in registers.
 template <typename Elem, int kHeadDim>
-using FwdConfig = FwdTraits<Elem, kHeadDim, (kHeadDim <= 128 ? 128 : 64), (kHeadDim <= 64 ? 128 : kHeadDim <= 128 ? 64 : 32)>;
+using FwdConfig = FwdTraits<Elem, kHeadDim, (kHeadDim <= 128 ? 128 : 64), (kHeadDim <= 128 ? 64 : 32),
+                            (kHeadDim <= 128 ? 2 : 1)>;
 
 template <typename Elem, int kHeadDim>
 void run_mha_fwd_(FwdParams& p, cudaStream_t stream) {

@@ -6,11 +6,13 @@
 
 namespace flash::cuda {
 
-template <typename Elem_, int kHeadDim_, int kBlockM_, int kBlockN_>
+// Forward: each warp owns kMTiles row tiles of 16 queries, so each K/V fragment it loads from
+// shared memory feeds kMTiles mma instructions.
+template <typename Elem_, int kHeadDim_, int kBlockM_, int kBlockN_, int kMTiles_ = 1>
 struct FwdTraits {
   using Elem = Elem_;
-  static constexpr int kHeadDim = kHeadDim_, kBlockM = kBlockM_, kBlockN = kBlockN_;
-  static constexpr int kNWarps = kBlockM / 16, kNThreads = kNWarps * 32;
+  static constexpr int kHeadDim = kHeadDim_, kBlockM = kBlockM_, kBlockN = kBlockN_, kMTiles = kMTiles_;
+  static constexpr int kNWarps = kBlockM / (16 * kMTiles), kNThreads = kNWarps * 32;
   static constexpr int kStride = Tile<kHeadDim>::kStride;
   static constexpr int kSmemQ = kBlockM * kStride, kSmemKV = kBlockN * kStride;
   static constexpr int kSmemBytes = (kSmemQ + 2 * kSmemKV) * int(sizeof(Elem));

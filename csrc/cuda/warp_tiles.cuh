@@ -28,38 +28,60 @@ __device__ __forceinline__ void load_tile_async(Elem* smem, const Elem* gmem, in
   }
 }
 
-// acc (16 x kN) += A (16 x kK, rows of sA) * B^T, where sB holds B^T as kN rows of kK elements.
-// Both operands come from shared memory; kStride is the row stride of both tiles.
-template <typename Elem, int kN, int kK, int kStride>
-__device__ __forceinline__ void gemm_ss(float (&acc)[kN / 8][4], const Elem* sA, const Elem* sB, int lane) {
+// acc[mt] (16 x kN) += A_mt (16 x kK: rows 16 mt.. of sA) * B^T, where sB holds B^T as kN rows
+// of kK elements. Each B fragment loaded from shared memory serves all kMT row tiles.
+template <typename Elem, int kMT, int kN, int kK, int kStride>
+__device__ __forceinline__ void gemm_ss(float (&acc)[kMT][kN / 8][4], const Elem* sA, const Elem* sB, int lane) {
 #pragma unroll
   for (int kk = 0; kk < kK / 16; ++kk) {
-    uint32_t a[4];
-    ldmatrix_x4(a, sA + (lane % 16) * kStride + kk * 16 + (lane / 16) * 8);
+    uint32_t a[kMT][4];
+#pragma unroll
+    for (int mt = 0; mt < kMT; ++mt)
+      ldmatrix_x4(a[mt], sA + (mt * 16 + lane % 16) * kStride + kk * 16 + (lane / 16) * 8);
 #pragma unroll
     for (int nn = 0; nn < kN / 16; ++nn) {
       uint32_t b[4];
       ldmatrix_x4(b, sB + (nn * 16 + (lane % 8) + 8 * (lane / 16)) * kStride + kk * 16 + 8 * ((lane / 8) % 2));
-      mma_16816<Elem>(acc[2 * nn], a, b[0], b[1]);
-      mma_16816<Elem>(acc[2 * nn + 1], a, b[2], b[3]);
+#pragma unroll
+      for (int mt = 0; mt < kMT; ++mt) {
+        mma_16816<Elem>(acc[mt][2 * nn], a[mt], b[0], b[1]);
+        mma_16816<Elem>(acc[mt][2 * nn + 1], a[mt], b[2], b[3]);
+      }
     }
   }
 }
 
-// acc (16 x kN) += A (16 x kK, held as mma A fragments) * B, where sB holds B (kK rows of kN).
-template <typename Elem, int kK, int kN, int kStride>
-__device__ __forceinline__ void gemm_rs(float (&acc)[kN / 8][4], const uint32_t (&a)[kK / 16][4], const Elem* sB,
-                                        int lane) {
+// Single row tile form.
+template <typename Elem, int kN, int kK, int kStride>
+__device__ __forceinline__ void gemm_ss(float (&acc)[kN / 8][4], const Elem* sA, const Elem* sB, int lane) {
+  gemm_ss<Elem, 1, kN, kK, kStride>(reinterpret_cast<float(&)[1][kN / 8][4]>(acc), sA, sB, lane);
+}
+
+// acc[mt] (16 x kN) += A_mt (16 x kK, held as mma A fragments) * B, where sB holds B (kK rows
+// of kN). Each B fragment serves all kMT row tiles.
+template <typename Elem, int kMT, int kK, int kN, int kStride>
+__device__ __forceinline__ void gemm_rs(float (&acc)[kMT][kN / 8][4], const uint32_t (&a)[kMT][kK / 16][4],
+                                        const Elem* sB, int lane) {
 #pragma unroll
   for (int kk = 0; kk < kK / 16; ++kk) {
 #pragma unroll
     for (int nn = 0; nn < kN / 16; ++nn) {
       uint32_t b[4];
       ldmatrix_x4_trans(b, sB + (kk * 16 + (lane % 8) + 8 * ((lane / 8) % 2)) * kStride + nn * 16 + 8 * (lane / 16));
-      mma_16816<Elem>(acc[2 * nn], a[kk], b[0], b[1]);
-      mma_16816<Elem>(acc[2 * nn + 1], a[kk], b[2], b[3]);
+#pragma unroll
+      for (int mt = 0; mt < kMT; ++mt) {
+        mma_16816<Elem>(acc[mt][2 * nn], a[mt][kk], b[0], b[1]);
+        mma_16816<Elem>(acc[mt][2 * nn + 1], a[mt][kk], b[2], b[3]);
+      }
     }
   }
+}
+
+template <typename Elem, int kK, int kN, int kStride>
+__device__ __forceinline__ void gemm_rs(float (&acc)[kN / 8][4], const uint32_t (&a)[kK / 16][4], const Elem* sB,
+                                        int lane) {
+  gemm_rs<Elem, 1, kK, kN, kStride>(reinterpret_cast<float(&)[1][kN / 8][4]>(acc),
+                                    reinterpret_cast<const uint32_t(&)[1][kK / 16][4]>(a), sB, lane);
 }
 
 // The accumulator of one gemm (16 x kN, fp32) as the A operand of the next (16-bit).
