@@ -190,7 +190,7 @@ __global__ void __launch_bounds__(T::kNThreads) flash_bwd_dkdv_kernel(const BwdP
 template <typename T>
 __global__ void __launch_bounds__(T::kNThreads) flash_bwd_dq_kernel(const BwdParams p) {
   using Elem = typename T::Elem;
-  constexpr int kD = T::kHeadDim, kM = T::kBlockM, kN = T::kBlockN, kS = T::kStride;
+  constexpr int kD = T::kHeadDim, kM = T::kBlockM, kN = T::kBlockN, kS = T::kStride, kMT = T::kMTiles;
   extern __shared__ __align__(16) char smem_raw[];
   Elem* sQ = reinterpret_cast<Elem*>(smem_raw);
   Elem* sK = sQ + T::kSmemQ;
@@ -203,24 +203,28 @@ __global__ void __launch_bounds__(T::kNThreads) flash_bwd_dq_kernel(const BwdPar
   const Elem* dout = static_cast<const Elem*>(p.do_ptr) + b * p.do_batch_stride + h * p.do_head_stride;
   const bool dropout = p.p_dropout > 0.f;
   const DropoutState ds = dropout ? dropout_state_bwd(p) : DropoutState{};
-  const int row0 = m0 + warp * 16 + g;
-  const ColRange rows[2] = {cols_of(p, row0), cols_of(p, row0 + 8)};
-  float lse2[2], dsum[2];
+  const int warp_row = warp * 16 * kMT;  // first query of this warp, relative to m0
+  ColRange rows[kMT][2];
+  float lse2[kMT][2], dsum[kMT][2];
 #pragma unroll
-  for (int hr = 0; hr < 2; ++hr) {
-    const int row = row0 + 8 * hr;
-    const bool ok = row < p.seqlen_q;
-    lse2[hr] = ok ? p.softmax_lse_ptr[int64_t(hp.bh) * p.seqlen_q + row] * kLog2e : 0.f;
-    dsum[hr] = ok ? p.dsoftmax_sum_ptr[int64_t(hp.bh) * p.seqlen_q + row] : 0.f;
-  }
+  for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) {
+      const int row = m0 + warp_row + mt * 16 + g + 8 * hr;
+      const bool ok = row < p.seqlen_q;
+      rows[mt][hr] = cols_of(p, row);
+      lse2[mt][hr] = ok ? p.softmax_lse_ptr[int64_t(hp.bh) * p.seqlen_q + row] * kLog2e : 0.f;
+      dsum[mt][hr] = ok ? p.dsoftmax_sum_ptr[int64_t(hp.bh) * p.seqlen_q + row] : 0.f;
+    }
 
   int n_begin, n_end;
   key_block_range<kN>(p, m0, kM, n_begin, n_end);
   load_tile_async<kM, kD, T::kNThreads>(sQ, hp.q + m0 * p.q_row_stride, p.q_row_stride, p.seqlen_q - m0, p.d, tid);
   load_tile_async<kM, kD, T::kNThreads>(sdO, dout + m0 * p.do_row_stride, p.do_row_stride, p.seqlen_q - m0, p.d, tid);
 
-  float dq[kD / 8][4];
-  zero<kD>(dq);
+  float dq[kMT][kD / 8][4];
+#pragma unroll
+  for (int mt = 0; mt < kMT; ++mt) zero<kD>(dq[mt]);
   for (int nb = n_begin; nb < n_end; ++nb) {
     const int j0 = nb * kN;
     load_tile_async<kN, kD, T::kNThreads>(sK, hp.k + j0 * p.k_row_stride, p.k_row_stride, p.seqlen_k - j0, p.d, tid);
@@ -229,50 +233,56 @@ __global__ void __launch_bounds__(T::kNThreads) flash_bwd_dq_kernel(const BwdPar
     cp_async_wait<0>();
     __syncthreads();
 
-    float s[kN / 8][4];
-    zero<kN>(s);
-    gemm_ss<Elem, kN, kD, kS>(s, sQ + warp * 16 * kS, sK, lane);
-    scale_acc<kN>(s, p.scale_softmax_log2);
-    if (!tile_fully_visible(p, m0, m0 + kM, j0, j0 + kN)) mask_qmajor<kN>(s, j0, rows, lane);
+    float s[kMT][kN / 8][4], dp[kMT][kN / 8][4];
 #pragma unroll
-    for (int n = 0; n < kN / 8; ++n)
-#pragma unroll
-      for (int r = 0; r < 4; ++r) s[n][r] = s[n][r] == kNegInf ? 0.f : fast_exp2(s[n][r] - lse2[r >> 1]);
-
-    float dp[kN / 8][4];
-    zero<kN>(dp);
-    gemm_ss<Elem, kN, kD, kS>(dp, sdO + warp * 16 * kS, sV, lane);  // dP = dO V^T
-#pragma unroll
-    for (int c = 0; c < kN / 16; ++c) {
-      bool keep[2][4];
-      if (dropout) dropout_keep_qmajor(keep, ds, hp.bh, m0 + warp * 16, j0 + c * 16, lane);
-#pragma unroll
-      for (int hh = 0; hh < 2; ++hh)
-#pragma unroll
-        for (int r = 0; r < 4; ++r) {
-          float x = dp[2 * c + hh][r];
-          if (dropout) x = keep[hh][r] ? x * p.rp_dropout : 0.f;
-          dp[2 * c + hh][r] = s[2 * c + hh][r] * (x - dsum[r >> 1]) * p.scale_softmax;  // dS
-        }
+    for (int mt = 0; mt < kMT; ++mt) {
+      zero<kN>(s[mt]);
+      zero<kN>(dp[mt]);
     }
-    uint32_t a[kN / 16][4];
-    acc_to_a<Elem, kN>(a, dp);
-    gemm_rs<Elem, kN, kD, kS>(dq, a, sK, lane);  // dQ += dS K
+    gemm_ss<Elem, kMT, kN, kD, kS>(s, sQ + warp_row * kS, sK, lane);
+    gemm_ss<Elem, kMT, kN, kD, kS>(dp, sdO + warp_row * kS, sV, lane);  // dP = dO V^T
+    const bool masked = !tile_fully_visible(p, m0, m0 + kM, j0, j0 + kN);
+    uint32_t a[kMT][kN / 16][4];
+#pragma unroll
+    for (int mt = 0; mt < kMT; ++mt) {
+      scale_acc<kN>(s[mt], p.scale_softmax_log2);
+      if (masked) mask_qmajor<kN>(s[mt], j0, rows[mt], lane);
+#pragma unroll
+      for (int c = 0; c < kN / 16; ++c) {
+        bool keep[2][4];
+        if (dropout) dropout_keep_qmajor(keep, ds, hp.bh, m0 + warp_row + mt * 16, j0 + c * 16, lane);
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh)
+#pragma unroll
+          for (int r = 0; r < 4; ++r) {
+            const float sv = s[mt][2 * c + hh][r];
+            const float pv = sv == kNegInf ? 0.f : fast_exp2(sv - lse2[mt][r >> 1]);
+            float x = dp[mt][2 * c + hh][r];
+            if (dropout) x = keep[hh][r] ? x * p.rp_dropout : 0.f;
+            dp[mt][2 * c + hh][r] = pv * (x - dsum[mt][r >> 1]) * p.scale_softmax;  // dS
+          }
+      }
+      acc_to_a<Elem, kN>(a[mt], dp[mt]);
+    }
+    gemm_rs<Elem, kMT, kN, kD, kS>(dq, a, sK, lane);  // dQ += dS K
     __syncthreads();  // every warp is done with sK, sV
   }
 
   Elem* dqp = static_cast<Elem*>(p.dq_ptr) + b * p.dq_batch_stride + h * p.dq_head_stride;
 #pragma unroll
-  for (int hr = 0; hr < 2; ++hr) {
-    const int row = row0 + 8 * hr;
-    if (row >= p.seqlen_q) continue;
+  for (int mt = 0; mt < kMT; ++mt)
 #pragma unroll
-    for (int dt = 0; dt < kD / 8; ++dt) {
-      const int col = dt * 8 + 2 * t;
-      if (col < p.d)
-        *reinterpret_cast<uint32_t*>(dqp + row * p.dq_row_stride + col) = pack2<Elem>(dq[dt][2 * hr], dq[dt][2 * hr + 1]);
+    for (int hr = 0; hr < 2; ++hr) {
+      const int row = m0 + warp_row + mt * 16 + g + 8 * hr;
+      if (row >= p.seqlen_q) continue;
+#pragma unroll
+      for (int dt = 0; dt < kD / 8; ++dt) {
+        const int col = dt * 8 + 2 * t;
+        if (col < p.d)
+          *reinterpret_cast<uint32_t*>(dqp + row * p.dq_row_stride + col) =
+              pack2<Elem>(dq[mt][dt][2 * hr], dq[mt][dt][2 * hr + 1]);
+      }
     }
-  }
 }
 
 }  // namespace flash::cuda

@@ -56,7 +56,9 @@ void run_mha_bwd_(BwdParams& p, cudaStream_t stream) {
     launch<TK>(&flash_bwd_dkdv_kernel<TK>, grid_kv, p, stream);
     launch<TV>(&flash_bwd_dkdv_kernel<TV>, grid_kv, p, stream);
   }
-  using TQ = BwdQTraits<Elem, kHeadDim, 64, (kHeadDim <= 128 ? 64 : 32)>;
+  // dQ: like the forward, two 16-row tiles per warp up to head dim 128.
+  using TQ = BwdQTraits<Elem, kHeadDim, (kHeadDim <= 128 ? 128 : 64), 32,
+                        (kHeadDim <= 128 ? 2 : 1)>;
   const dim3 grid_q((p.seqlen_q + TQ::kBlockM - 1) / TQ::kBlockM, p.h, p.b);
   launch<TQ>(&flash_bwd_dq_kernel<TQ>, grid_q, p, stream);
 }

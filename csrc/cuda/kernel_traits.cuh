@@ -20,9 +20,9 @@ struct FwdTraits {
 };
 
 // dQ: the forward's shape plus a dO tile beside Q.
-template <typename Elem_, int kHeadDim_, int kBlockM_, int kBlockN_>
-struct BwdQTraits : FwdTraits<Elem_, kHeadDim_, kBlockM_, kBlockN_> {
-  using Base = FwdTraits<Elem_, kHeadDim_, kBlockM_, kBlockN_>;
+template <typename Elem_, int kHeadDim_, int kBlockM_, int kBlockN_, int kMTiles_ = 1>
+struct BwdQTraits : FwdTraits<Elem_, kHeadDim_, kBlockM_, kBlockN_, kMTiles_> {
+  using Base = FwdTraits<Elem_, kHeadDim_, kBlockM_, kBlockN_, kMTiles_>;
   static constexpr int kSmemBytes = (2 * Base::kSmemQ + 2 * Base::kSmemKV) * int(sizeof(Elem_));
 };
 
