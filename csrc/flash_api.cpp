@@ -158,6 +158,17 @@ at::Tensor cuda_operand(const at::Tensor& t, int64_t d8) {
   return aligned ? x : x.contiguous();
 }
 
+struct CudaQKV {
+  int64_t d8;
+  at::Tensor q, k, v;
+};
+
+CudaQKV cuda_qkv(const Shapes& s, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+  check_cuda_operands(q);
+  const int64_t d8 = round_up8(s.d);
+  return CudaQKV{d8, cuda_operand(q, d8), cuda_operand(k, d8), cuda_operand(v, d8)};
+}
+
 void set_cuda_philox(FwdParams& p) {
   auto* gen = at::check_generator<at::CUDAGeneratorImpl>(at::cuda::detail::getDefaultCUDAGenerator());
   at::PhiloxCudaState st;
@@ -196,9 +207,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> mha_fwd(
 #ifdef FLASH_ATTN_WITH_CUDA
   if (q.is_cuda()) {
     c10::cuda::CUDAGuard guard(q.device());
-    check_cuda_operands(q);
-    const int64_t d8 = round_up8(s.d);
-    const at::Tensor qc = cuda_operand(q, d8), kc = cuda_operand(k, d8), vc = cuda_operand(v, d8);
+    const auto [d8, qc, kc, vc] = cuda_qkv(s, q, k, v);
     at::Tensor out_k = d8 == s.d ? out : at::empty({s.b, s.seqlen_q, s.h, d8}, opts);
     FwdParams p;
     set_fwd_params(p, s, qc, kc, vc, out_k, lse, dropout_p, scale, causal, window_size_left, window_size_right);
@@ -275,9 +284,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> mha_bwd(
 #ifdef FLASH_ATTN_WITH_CUDA
   if (q.is_cuda()) {
     c10::cuda::CUDAGuard guard(q.device());
-    check_cuda_operands(q);
-    const int64_t d8 = round_up8(s.d);
-    const at::Tensor qc = cuda_operand(q, d8), kc = cuda_operand(k, d8), vc = cuda_operand(v, d8);
+    const auto [d8, qc, kc, vc] = cuda_qkv(s, q, k, v);
     const at::Tensor oc = cuda_operand(out, d8), doc = cuda_operand(dout, d8);
     at::Tensor dq = at::empty({s.b, s.seqlen_q, s.h, d8}, q.options());
     // Without GQA the kernel writes dK/dV in the input dtype; with GQA per-query-head float32

@@ -60,3 +60,15 @@ def check_rule(name, ours, ref, same_precision, dtype):
     pt_err = (same_precision - ref).abs().max().item()
     eps = EPS[dtype] * max(1.0, ref.abs().max().item())
     assert err <= 2 * pt_err + eps, f"{name}: max error {err:.3g} > 2 x {pt_err:.3g} (PyTorch, {dtype}) + {eps:.3g}"
+
+
+def check_grads_against_reference(q, k, v, out, dout, grads, dtype, **kw):
+    """Output and dq, dk, dv against the float64 reference and PyTorch in the same precision."""
+    ref, ref_probs = attention_ref(q, k, v, **kw)
+    ref_grads = torch.autograd.grad(ref, (q, k, v), dout.double())
+    pt, _ = attention_ref(q, k, v, upcast=False, **kw)
+    pt_grads = torch.autograd.grad(pt, (q, k, v), dout)
+    check_rule("out", out, ref, pt, dtype)
+    for name, g, rg, pg in zip(("dq", "dk", "dv"), grads, ref_grads, pt_grads):
+        check_rule(name, g, rg, pg, dtype)
+    return ref_probs

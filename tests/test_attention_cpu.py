@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from flash_attn import flash_attn_func, flash_attn_kvpacked_func, flash_attn_qkvpacked_func
-from reference import attention_ref, check_rule, visible_mask
+from reference import check_grads_against_reference, visible_mask
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
@@ -39,15 +39,8 @@ def run_and_check(q, k, v, dtype, causal=False, window_size=(-1, -1), dropout_p=
     dout = torch.randn_like(out)
     grads = torch.autograd.grad(out, (q, k, v), dout)
 
-    kw = dict(causal=causal, window_size=window_size, softmax_scale=softmax_scale, dropout_p=dropout_p, keep_mask=keep)
-    ref, ref_probs = attention_ref(q, k, v, **kw)
-    ref_grads = torch.autograd.grad(ref, (q, k, v), dout.double())
-    pt, _ = attention_ref(q, k, v, upcast=False, **kw)
-    pt_grads = torch.autograd.grad(pt, (q, k, v), dout)
-
-    check_rule("out", out, ref, pt, dtype)
-    for name, g, rg, pg in zip(("dq", "dk", "dv"), grads, ref_grads, pt_grads):
-        check_rule(name, g, rg, pg, dtype)
+    ref_probs = check_grads_against_reference(q, k, v, out, dout, grads, dtype, causal=causal, window_size=window_size,
+                                              softmax_scale=softmax_scale, dropout_p=dropout_p, keep_mask=keep)
 
     # logsumexp of the scaled scores, -inf for rows that see nothing
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])

@@ -51,10 +51,14 @@ struct Scratch {
         keep(dropout ? kBlockM * kBlockN : 0) {}
 };
 
-// Scores of rows [i0, i0+rows) against keys [j0, j0+cols) into s (ld kBlockN).
-void score_tile(const FwdParams& p, const HeadView& hv, int i0, int rows, int j0, int cols, float* s) {
+// Scores of rows [i0, i0+rows) against keys [j0, j0+cols) into w.s (ld kBlockN), and the
+// tile's dropout keep-mask into w.keep when dropout is on.
+void score_tile(const FwdParams& p, const HeadView& hv, int i0, int rows, int j0, int cols, Scratch& w) {
   gemm_rowmajor(false, true, rows, cols, p.d, 1.f, hv.q + i0 * p.q_row_stride, p.q_row_stride,
-                hv.k + j0 * p.k_row_stride, p.k_row_stride, 0.f, s, kBlockN);
+                hv.k + j0 * p.k_row_stride, p.k_row_stride, 0.f, w.s.data(), kBlockN);
+  if (p.p_dropout > 0.f)
+    dropout_keep_tile(w.keep.data(), kBlockN, i0, rows, j0, cols, hv.bh, p.philox_seed, p.philox_offset,
+                      p.dropout_threshold16);
 }
 
 void query_block(const FwdParams& p, const HeadView& hv, int i0, Scratch& w) {
@@ -67,10 +71,7 @@ void query_block(const FwdParams& p, const HeadView& hv, int i0, Scratch& w) {
   const ColRange span = block_cols(p, i0, i0 + rows);
   for (int j0 = span.lo - span.lo % kBlockN; j0 < span.hi; j0 += kBlockN) {
     const int cols = std::min(kBlockN, p.seqlen_k - j0);
-    score_tile(p, hv, i0, rows, j0, cols, w.s.data());
-    if (dropout)
-      dropout_keep_tile(w.keep.data(), kBlockN, i0, rows, j0, cols, hv.bh, p.philox_seed,
-                        p.philox_offset, p.dropout_threshold16);
+    score_tile(p, hv, i0, rows, j0, cols, w);
     for (int r = 0; r < rows; ++r) {
       float* srow = w.s.data() + r * kBlockN;
       const ColRange c = clip_to_tile(row_cols(p, i0 + r), j0, cols);
@@ -109,10 +110,7 @@ void write_probs(const FwdParams& p, const HeadView& hv, int i0, Scratch& w) {
   constexpr float kLog2e = 1.4426950408889634f;
   for (int j0 = 0; j0 < p.seqlen_k; j0 += kBlockN) {
     const int cols = std::min(kBlockN, p.seqlen_k - j0);
-    score_tile(p, hv, i0, rows, j0, cols, w.s.data());
-    if (dropout)
-      dropout_keep_tile(w.keep.data(), kBlockN, i0, rows, j0, cols, hv.bh, p.philox_seed,
-                        p.philox_offset, p.dropout_threshold16);
+    score_tile(p, hv, i0, rows, j0, cols, w);
     for (int r = 0; r < rows; ++r) {
       float* srow = w.s.data() + r * kBlockN;
       float* dst = hv.probs + int64_t(i0 + r) * p.seqlen_k + j0;
