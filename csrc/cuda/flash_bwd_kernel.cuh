@@ -166,23 +166,18 @@ __global__ void __launch_bounds__(T::kNThreads) flash_bwd_dkdv_kernel(const BwdP
   for (int hr = 0; hr < 2; ++hr) {
     const int key = kw + g + 8 * hr;
     if (key >= p.seqlen_k) continue;
+    if (direct) {
+      if constexpr (T::kDoDK) store_acc_row<Elem, kD>(dk_out + key * p.dk_row_stride, dk, hr, 1.f, p.d, lane);
+      if constexpr (T::kDoDV) store_acc_row<Elem, kD>(dv_out + key * p.dv_row_stride, dv, hr, 1.f, p.d, lane);
+      continue;
+    }
 #pragma unroll
     for (int dt = 0; dt < kD / 8; ++dt) {
       const int col = dt * 8 + 2 * t;
       if (col >= p.d) continue;
       const int64_t off = head_off + int64_t(key) * p.d + col;
-      if constexpr (T::kDoDK) {
-        if (direct)
-          *reinterpret_cast<uint32_t*>(dk_out + key * p.dk_row_stride + col) = pack2<Elem>(dk[dt][2 * hr], dk[dt][2 * hr + 1]);
-        else
-          *reinterpret_cast<float2*>(p.dk_accum_ptr + off) = make_float2(dk[dt][2 * hr], dk[dt][2 * hr + 1]);
-      }
-      if constexpr (T::kDoDV) {
-        if (direct)
-          *reinterpret_cast<uint32_t*>(dv_out + key * p.dv_row_stride + col) = pack2<Elem>(dv[dt][2 * hr], dv[dt][2 * hr + 1]);
-        else
-          *reinterpret_cast<float2*>(p.dv_accum_ptr + off) = make_float2(dv[dt][2 * hr], dv[dt][2 * hr + 1]);
-      }
+      if constexpr (T::kDoDK) *reinterpret_cast<float2*>(p.dk_accum_ptr + off) = make_float2(dk[dt][2 * hr], dk[dt][2 * hr + 1]);
+      if constexpr (T::kDoDV) *reinterpret_cast<float2*>(p.dv_accum_ptr + off) = make_float2(dv[dt][2 * hr], dv[dt][2 * hr + 1]);
     }
   }
 }
@@ -274,14 +269,7 @@ __global__ void __launch_bounds__(T::kNThreads) flash_bwd_dq_kernel(const BwdPar
 #pragma unroll
     for (int hr = 0; hr < 2; ++hr) {
       const int row = m0 + warp_row + mt * 16 + g + 8 * hr;
-      if (row >= p.seqlen_q) continue;
-#pragma unroll
-      for (int dt = 0; dt < kD / 8; ++dt) {
-        const int col = dt * 8 + 2 * t;
-        if (col < p.d)
-          *reinterpret_cast<uint32_t*>(dqp + row * p.dq_row_stride + col) =
-              pack2<Elem>(dq[mt][dt][2 * hr], dq[mt][dt][2 * hr + 1]);
-      }
+      if (row < p.seqlen_q) store_acc_row<Elem, kD>(dqp + row * p.dq_row_stride, dq[mt], hr, 1.f, p.d, lane);
     }
 }
 

@@ -149,15 +149,8 @@ __global__ void __launch_bounds__(T::kNThreads) flash_fwd_kernel(const FwdParams
       const int row = m0 + warp_row + mt * 16 + g + 8 * hr;
       const float lsum = quad_sum(l[mt][hr]);
       if (row >= p.seqlen_q) continue;
-      const float inv = lsum > 0.f ? p.rp_dropout / lsum : 0.f;
-      Elem* orow = o + row * p.o_row_stride;
-#pragma unroll
-      for (int dt = 0; dt < kD / 8; ++dt) {
-        const int col = dt * 8 + 2 * t;
-        if (col < p.d)
-          *reinterpret_cast<uint32_t*>(orow + col) =
-              pack2<Elem>(acc[mt][dt][2 * hr] * inv, acc[mt][dt][2 * hr + 1] * inv);
-      }
+      store_acc_row<Elem, kD>(o + row * p.o_row_stride, acc[mt], hr, lsum > 0.f ? p.rp_dropout / lsum : 0.f, p.d,
+                              lane);
       if (t == 0)
         p.softmax_lse_ptr[int64_t(hp.bh) * p.seqlen_q + row] =
             lsum > 0.f ? (m[mt][hr] + __log2f(lsum)) * kLn2 : kNegInf;

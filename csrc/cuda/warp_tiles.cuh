@@ -96,6 +96,19 @@ __device__ __forceinline__ void acc_to_a(uint32_t (&a)[kN / 16][4], const float 
   }
 }
 
+// Store row g + 8 hr of a 16-row accumulator tile, times scale, as 16-bit values at row_ptr;
+// columns >= d are skipped.
+template <typename Elem, int kD>
+__device__ __forceinline__ void store_acc_row(Elem* row_ptr, const float (&acc)[kD / 8][4], int hr, float scale,
+                                              int d, int lane) {
+#pragma unroll
+  for (int dt = 0; dt < kD / 8; ++dt) {
+    const int col = dt * 8 + 2 * (lane % 4);
+    if (col < d)
+      *reinterpret_cast<uint32_t*>(row_ptr + col) = pack2<Elem>(acc[dt][2 * hr] * scale, acc[dt][2 * hr + 1] * scale);
+  }
+}
+
 template <int kN>
 __device__ __forceinline__ void zero(float (&acc)[kN / 8][4]) {
 #pragma unroll
