@@ -315,7 +315,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> mha_bwd(
     }
     p.dsoftmax_sum_ptr = dsum.data_ptr<float>();
     p.rng_state_ptr = dropout_p > 0.0 ? rng.data_ptr<int64_t>() : nullptr;
-    p.deterministic = true;
     if (s.seqlen_k == 0) dq.zero_();
     cuda::run_bwd(p, at::cuda::getCurrentCUDAStream().stream());
     const auto trim = [&](const at::Tensor& x) { return d8 == s.d ? x : x.narrow(3, 0, s.d).contiguous(); };

@@ -87,8 +87,6 @@ struct BwdParams : FwdParams {
   float* __restrict__ dv_accum_ptr = nullptr;
   float* __restrict__ dq_accum_ptr = nullptr;
   int num_splits = 1;
-
-  bool deterministic = false;
 };
 
 }  // namespace flash

@@ -5,11 +5,7 @@
 #include <algorithm>
 #include <cstdint>
 
-#if defined(__CUDACC__)
-#define FLASH_HOST_DEVICE __host__ __device__ __forceinline__
-#else
-#define FLASH_HOST_DEVICE inline
-#endif
+#include "host_device.h"
 
 namespace flash {
 

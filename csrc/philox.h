@@ -4,7 +4,7 @@
 
 #include <cstdint>
 
-#include "mask.h"  // FLASH_HOST_DEVICE
+#include "host_device.h"
 
 namespace flash {
 

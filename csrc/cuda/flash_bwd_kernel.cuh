@@ -193,7 +193,7 @@ __global__ void __launch_bounds__(T::kNThreads) flash_bwd_dq_kernel(const BwdPar
   Elem* sdO = sV + T::kSmemKV;
 
   const int m0 = blockIdx.x * kM, h = blockIdx.y, b = blockIdx.z;
-  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4;
   const HeadPtrs<Elem> hp = head_ptrs<Elem>(p, b, h);
   const Elem* dout = static_cast<const Elem*>(p.do_ptr) + b * p.do_batch_stride + h * p.do_head_stride;
   const bool dropout = p.p_dropout > 0.f;
