@@ -278,8 +278,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> mha_bwd(
         .to(q.scalar_type())
         .contiguous();
   };
-  // Both backends reduce in a fixed order (no atomics): results are always deterministic.
-  (void)deterministic;
+  // The CPU always reduces in a fixed order. CUDA adds dQ with float32 atomics unless
+  // deterministic, which runs a separate dQ kernel instead (slower, bitwise reproducible).
 
 #ifdef FLASH_ATTN_WITH_CUDA
   if (q.is_cuda()) {
@@ -314,6 +314,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> mha_bwd(
       set_strides(dv, p.dv_batch_stride, p.dv_row_stride, p.dv_head_stride);
     }
     p.dsoftmax_sum_ptr = dsum.data_ptr<float>();
+    at::Tensor dq_accum;  // cleared by the kernels' pre-pass
+    if (!deterministic) {
+      dq_accum = at::empty({s.b, s.h, s.seqlen_q, d8}, f32);
+      p.dq_accum_ptr = dq_accum.data_ptr<float>();
+    }
     p.rng_state_ptr = dropout_p > 0.0 ? rng.data_ptr<int64_t>() : nullptr;
     if (s.seqlen_k == 0) dq.zero_();
     cuda::run_bwd(p, at::cuda::getCurrentCUDAStream().stream());

@@ -82,7 +82,8 @@ struct BwdParams : FwdParams {
   // CUDA without GQA: dK/dV go straight to dk_ptr / dv_ptr (dk_accum_ptr == nullptr).
   // Otherwise float32 scratch the op layer allocates: per-query-head dK/dV before the GQA group sum,
   // laid out (batch, h, seqlen_k, d) contiguous, and dQ partial sums, one per split of the key
-  // blocks, laid out (batch, h, num_splits, seqlen_q, d) and summed by the op layer.
+  // blocks, laid out (batch, h, num_splits, seqlen_q, d) and summed by the op layer. CUDA: when set
+  // (not deterministic), one (batch, h, seqlen_q, d) dQ accumulator the kernels add into atomically.
   float* __restrict__ dk_accum_ptr = nullptr;
   float* __restrict__ dv_accum_ptr = nullptr;
   float* __restrict__ dq_accum_ptr = nullptr;

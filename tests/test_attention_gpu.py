@@ -28,11 +28,11 @@ def make(b, sq, sk, h, hk, d, dtype):
     return q, k, v
 
 
-def check_against_reference(q, k, v, causal=False, window_size=(-1, -1), dropout_p=0.0):
+def check_against_reference(q, k, v, causal=False, window_size=(-1, -1), dropout_p=0.0, deterministic=False):
     dtype = q.dtype
     poison_allocator()
     out, lse, s_dmask = flash_attn_func(q, k, v, dropout_p=dropout_p, causal=causal, window_size=window_size,
-                                        return_attn_probs=True)
+                                        return_attn_probs=True, deterministic=deterministic)
     keep = None if dropout_p == 0 else ~torch.signbit(s_dmask)
     dout = torch.randn_like(out)
     poison_allocator()
@@ -103,6 +103,15 @@ def test_cuda_matches_cpu(dropout_p):
         cpu_out, cpu_lse, _, _ = torch.ops.flash_attn.fwd(q.cpu().float(), k.cpu().float(), v.cpu().float(), 0.0, None, True)
         torch.testing.assert_close(out.float().cpu(), cpu_out, atol=1e-2, rtol=1e-2)
         torch.testing.assert_close(lse.cpu(), cpu_lse, atol=1e-3, rtol=1e-3)
+
+
+# deterministic=True takes another dQ path (its own kernel instead of atomics): same grid of checks.
+@pytest.mark.parametrize("d", HEAD_DIMS)
+@pytest.mark.parametrize("causal,dropout_p", [(False, 0.0), (True, 0.0), (True, 0.17)])
+@pytest.mark.parametrize("sq,sk", [(17, 113), (300, 257)])
+def test_deterministic_path(sq, sk, d, causal, dropout_p):
+    check_against_reference(*make(2, sq, sk, 4, 2, d, torch.bfloat16), causal=causal, dropout_p=dropout_p,
+                            deterministic=True)
 
 
 def test_deterministic_backward():

@@ -4,6 +4,7 @@
 
 #include <c10/cuda/CUDAException.h>
 
+#include "flash_bwd_dkdv_kernel.cuh"
 #include "flash_bwd_kernel.cuh"
 #include "flash_launch.h"
 
@@ -11,7 +12,13 @@ namespace flash::cuda {
 
 template <typename Kernel>
 void set_smem_limit(Kernel kernel, int bytes) {
-  if (bytes > 48 * 1024) C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
+  if (bytes <= 48 * 1024) return;
+  int device = 0, optin = 0;
+  C10_CUDA_CHECK(cudaGetDevice(&device));
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+  TORCH_CHECK(bytes <= optin, "flash_attn: this kernel needs ", bytes, " bytes of shared memory per block; the GPU ",
+              "allows ", optin, " (head dim too large for this GPU)");
+  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
 }
 
 template <typename T, typename Params>
@@ -37,28 +44,35 @@ void run_mha_fwd_(FwdParams& p, cudaStream_t stream) {
   if (p.p_ptr != nullptr) launch<T>(&flash_fwd_probs_kernel<T>, grid, p, stream);
 }
 
+// Backward tiles (flash_bwd_dkdv_kernel.cuh): 8 warps; 64 queries per step; 128 keys per CTA up
+// to head dim 128 and 64 above, where the dK and dV accumulators (kBlockN x d each, spread over
+// the 8 warps) would not fit in registers. The warp grids keep every warp tile's columns a
+// multiple of 16; the second Q buffer is dropped where shared memory would exceed sm_80's limit.
+template <typename Elem, int kHeadDim, bool kDoDQ>
+using BwdConfig =
+    BwdTraits<Elem, kHeadDim, 64, (kHeadDim <= 128 ? 128 : 64), 8, 2,
+              (kHeadDim == 160 || kHeadDim == 224 ? 4 : kHeadDim <= 128 ? 4 : 2),
+              (kHeadDim == 128 || kHeadDim == 192 || kHeadDim == 256 ? 2 : 4), (kHeadDim <= 192 ? 2 : 1), kDoDQ>;
+
 template <typename Elem, int kHeadDim>
 void run_mha_bwd_(BwdParams& p, cudaStream_t stream) {
   if (p.b == 0 || p.seqlen_q == 0 || p.seqlen_k == 0) return;  // the op layer zero-fills
-  {
-    const int64_t rows = int64_t(p.b) * p.seqlen_q * p.h;
-    flash_bwd_dot_do_o_kernel<Elem><<<unsigned((rows * 32 + 255) / 256), 256, 0, stream>>>(p);
+  const int64_t rows = int64_t(p.b) * p.seqlen_q * p.h;
+  flash_bwd_dot_do_o_kernel<Elem><<<unsigned((rows * 32 + 255) / 256), 256, 0, stream>>>(p);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  const auto main_grid = [&](int block_n) { return dim3((p.seqlen_k + block_n - 1) / block_n, p.h, p.b); };
+  if (p.dq_accum_ptr != nullptr) {  // dQ by atomics into the accumulator the pre-pass cleared
+    using T = BwdConfig<Elem, kHeadDim, true>;
+    launch<T>(&flash_bwd_dkdv_kernel<T>, main_grid(T::kBlockN), p, stream);
+    const int64_t quads = rows * p.d / 4;
+    flash_bwd_convert_dq_kernel<Elem><<<unsigned((quads + 255) / 256), 256, 0, stream>>>(p);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
+    return;
   }
-  constexpr int kBlockMKV = kHeadDim <= 64 ? 64 : 32;
-  const dim3 grid_kv((p.seqlen_k + 63) / 64, p.h, p.b);
-  if constexpr (kHeadDim <= 128) {
-    using T = BwdKVTraits<Elem, kHeadDim, kBlockMKV, 64, true, true>;
-    launch<T>(&flash_bwd_dkdv_kernel<T>, grid_kv, p, stream);
-  } else {  // registers: one launch for dK, one for dV
-    using TK = BwdKVTraits<Elem, kHeadDim, kBlockMKV, 64, true, false>;
-    using TV = BwdKVTraits<Elem, kHeadDim, kBlockMKV, 64, false, true>;
-    launch<TK>(&flash_bwd_dkdv_kernel<TK>, grid_kv, p, stream);
-    launch<TV>(&flash_bwd_dkdv_kernel<TV>, grid_kv, p, stream);
-  }
-  // dQ: like the forward, two 16-row tiles per warp up to head dim 128.
-  using TQ = BwdQTraits<Elem, kHeadDim, (kHeadDim <= 128 ? 128 : 64), 32,
-                        (kHeadDim <= 128 ? 2 : 1)>;
+  // Deterministic: dQ from its own kernel, forward-shaped (two 16-row tiles per warp up to 128).
+  using T = BwdConfig<Elem, kHeadDim, false>;
+  launch<T>(&flash_bwd_dkdv_kernel<T>, main_grid(T::kBlockN), p, stream);
+  using TQ = BwdQTraits<Elem, kHeadDim, (kHeadDim <= 128 ? 128 : 64), 32, (kHeadDim <= 128 ? 2 : 1)>;
   const dim3 grid_q((p.seqlen_q + TQ::kBlockM - 1) / TQ::kBlockM, p.h, p.b);
   launch<TQ>(&flash_bwd_dq_kernel<TQ>, grid_q, p, stream);
 }

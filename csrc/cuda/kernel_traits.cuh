@@ -1,5 +1,4 @@
-// Tile shapes of each kernel family, one type per configuration. Each warp owns 16 rows of the
-// block it iterates over (queries in the forward and dQ kernels, keys in the dK/dV kernel).
+// Tile shapes of each kernel family, one type per configuration.
 #pragma once
 
 #include "warp_tiles.cuh"
@@ -26,18 +25,34 @@ struct BwdQTraits : FwdTraits<Elem_, kHeadDim_, kBlockM_, kBlockN_, kMTiles_> {
   static constexpr int kSmemBytes = (2 * Base::kSmemQ + 2 * Base::kSmemKV) * int(sizeof(Elem_));
 };
 
-// dK/dV: kBlockN keys per CTA (16 per warp), stepping over kBlockM queries at a time.
-// kDoDK / kDoDV split the two accumulators over two launches where registers are short.
-template <typename Elem_, int kHeadDim_, int kBlockM_, int kBlockN_, bool kDoDK_, bool kDoDV_>
-struct BwdKVTraits {
+// Backward main kernel (flash_bwd_dkdv_kernel.cuh): one CTA of kNWarps warps per block of kBlockN
+// keys, stepping over blocks of kBlockM queries. Each GEMM has its own warp grid:
+//  S = Q K^T and dP = dO V^T (kBlockM x kBlockN): kWarpsMS warps along the queries;
+//  dV += P^T dO and dK += dS^T Q (kBlockN x d): kWarpsNKV warps along the keys;
+//  dQ = dS K (kBlockM x d, float32 atomics): kWarpsMQ warps along the queries;
+// the rest of each grid runs along the other dimension. P and dS travel through shared memory
+// between the grids. kQStages = 2 double-buffers the Q tile; dO has one buffer, refilled as soon
+// as dV is done with it. kDoDQ = false leaves dQ to the deterministic dQ kernel.
+template <typename Elem_, int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_, int kWarpsMS_, int kWarpsNKV_,
+          int kWarpsMQ_, int kQStages_, bool kDoDQ_>
+struct BwdTraits {
   using Elem = Elem_;
-  static constexpr int kHeadDim = kHeadDim_, kBlockM = kBlockM_, kBlockN = kBlockN_;
-  static constexpr bool kDoDK = kDoDK_, kDoDV = kDoDV_;
-  static constexpr int kNWarps = kBlockN / 16, kNThreads = kNWarps * 32;
-  static constexpr int kStride = Tile<kHeadDim>::kStride;
-  static constexpr int kSmemKV = kBlockN * kStride, kSmemQ = kBlockM * kStride;
-  static constexpr int kSmemBytes = (2 * kSmemKV + 2 * kSmemQ) * int(sizeof(Elem)) + 2 * kBlockM * int(sizeof(float));
-  static_assert(kHeadDim % 32 == 0 && kBlockM % 16 == 0 && kBlockN % 16 == 0, "tile shapes");
+  static constexpr int kHeadDim = kHeadDim_, kBlockM = kBlockM_, kBlockN = kBlockN_, kNWarps = kNWarps_;
+  static constexpr int kNThreads = kNWarps * 32, kQStages = kQStages_;
+  static constexpr bool kDoDQ = kDoDQ_;
+  static constexpr int kStride = Tile<kHeadDim>::kStride;  // Q, K, V, dO rows
+  static constexpr int kStrideP = kBlockN + 8;             // P, dS rows (same padding rule)
+  // Warp tiles: kMT* 16-row tiles by kN* columns.
+  static constexpr int kWarpsMS = kWarpsMS_, kMTS = kBlockM / kWarpsMS / 16, kNS = kBlockN / (kNWarps / kWarpsMS);
+  static constexpr int kWarpsNKV = kWarpsNKV_, kMTKV = kBlockN / kWarpsNKV / 16, kDKV = kHeadDim / (kNWarps / kWarpsNKV);
+  static constexpr int kWarpsMQ = kWarpsMQ_, kMTQ = kBlockM / kWarpsMQ / 16, kDQ = kHeadDim / (kNWarps / kWarpsMQ);
+  static constexpr int kSmemKV = kBlockN * kStride, kSmemQ = kBlockM * kStride, kSmemP = kBlockM * kStrideP;
+  static constexpr int kSmemBytes = (2 * kSmemKV + (kQStages + 1) * kSmemQ + 2 * kSmemP) * int(sizeof(Elem));
+  static_assert(kMTS >= 1 && kMTKV >= 1 && kMTQ >= 1, "warp grids: at least one 16-row tile per warp");
+  static_assert(kNS % 16 == 0 && kDKV % 16 == 0 && kDQ % 16 == 0, "warp tiles: columns in steps of 16");
+  static_assert(kMTS * 16 * kWarpsMS == kBlockM && kMTKV * 16 * kWarpsNKV == kBlockN && kMTQ * 16 * kWarpsMQ == kBlockM,
+                "warp grids must cover the block");
+  static_assert(kQStages == 1 || kQStages == 2, "Q buffers");
 };
 
 }  // namespace flash::cuda

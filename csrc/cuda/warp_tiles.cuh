@@ -28,20 +28,47 @@ __device__ __forceinline__ void load_tile_async(Elem* smem, const Elem* gmem, in
   }
 }
 
-// acc[mt] (16 x kN) += A_mt (16 x kK: rows 16 mt.. of sA) * B^T, where sB holds B^T as kN rows
-// of kK elements. Each B fragment loaded from shared memory serves all kMT row tiles.
-template <typename Elem, int kMT, int kN, int kK, int kStride>
-__device__ __forceinline__ void gemm_ss(float (&acc)[kMT][kN / 8][4], const Elem* sA, const Elem* sB, int lane) {
+// mma operand fragments from shared memory. An A fragment (16 x 16) comes from A stored
+// row-major ([m][k], kATrans = false) or from A^T stored row-major ([k][m], kATrans = true); a
+// pair of B fragments (16 k x 16 n: two n8 tiles) from B^T stored row-major ([n][k], kBKN =
+// false) or from B stored row-major ([k][n], kBKN = true). row0 / col0 index the tile in the
+// stored layout's (m or n, k) order.
+template <bool kATrans>
+__device__ __forceinline__ void load_a(uint32_t (&a)[4], const void* base, int stride_bytes, int m0, int k0,
+                                       int elem_bytes, int lane) {
+  const char* s = static_cast<const char*>(base);
+  if constexpr (!kATrans) {
+    ldmatrix_x4(a, s + ((m0 + lane % 16) * stride_bytes) + (k0 + (lane / 16) * 8) * elem_bytes);
+  } else {  // matrix lane/8: m offset 8 * (lane/8 % 2), k offset 8 * (lane/16)
+    ldmatrix_x4_trans(a, s + (k0 + (lane / 16) * 8 + lane % 8) * stride_bytes + (m0 + 8 * ((lane / 8) % 2)) * elem_bytes);
+  }
+}
+template <bool kBKN>
+__device__ __forceinline__ void load_b(uint32_t (&b)[4], const void* base, int stride_bytes, int n0, int k0,
+                                       int elem_bytes, int lane) {
+  const char* s = static_cast<const char*>(base);
+  if constexpr (!kBKN) {
+    ldmatrix_x4(b, s + (n0 + (lane % 8) + 8 * (lane / 16)) * stride_bytes + (k0 + 8 * ((lane / 8) % 2)) * elem_bytes);
+  } else {
+    ldmatrix_x4_trans(b, s + (k0 + (lane % 8) + 8 * ((lane / 8) % 2)) * stride_bytes + (n0 + 8 * (lane / 16)) * elem_bytes);
+  }
+}
+
+// acc[mt] (16 x kN) += A_mt (16 x kK) * B (kK x kN), both operands in shared memory (row strides
+// kStrideA / kStrideB elements; see load_a / load_b for the layouts). Each B fragment serves all
+// kMT row tiles, so wider warp tiles need fewer fragment loads per mma.
+template <typename Elem, int kMT, int kN, int kK, int kStrideA, int kStrideB, bool kATrans, bool kBKN>
+__device__ __forceinline__ void gemm_smem(float (&acc)[kMT][kN / 8][4], const Elem* sA, const Elem* sB, int lane) {
+  constexpr int kE = int(sizeof(Elem));
 #pragma unroll
   for (int kk = 0; kk < kK / 16; ++kk) {
     uint32_t a[kMT][4];
 #pragma unroll
-    for (int mt = 0; mt < kMT; ++mt)
-      ldmatrix_x4(a[mt], sA + (mt * 16 + lane % 16) * kStride + kk * 16 + (lane / 16) * 8);
+    for (int mt = 0; mt < kMT; ++mt) load_a<kATrans>(a[mt], sA, kStrideA * kE, mt * 16, kk * 16, kE, lane);
 #pragma unroll
     for (int nn = 0; nn < kN / 16; ++nn) {
       uint32_t b[4];
-      ldmatrix_x4(b, sB + (nn * 16 + (lane % 8) + 8 * (lane / 16)) * kStride + kk * 16 + 8 * ((lane / 8) % 2));
+      load_b<kBKN>(b, sB, kStrideB * kE, nn * 16, kk * 16, kE, lane);
 #pragma unroll
       for (int mt = 0; mt < kMT; ++mt) {
         mma_16816<Elem>(acc[mt][2 * nn], a[mt], b[0], b[1]);
@@ -49,6 +76,12 @@ __device__ __forceinline__ void gemm_ss(float (&acc)[kMT][kN / 8][4], const Elem
       }
     }
   }
+}
+
+// acc[mt] += A_mt * B^T, A row-major and B^T stored as kN rows of kK elements (S = Q K^T).
+template <typename Elem, int kMT, int kN, int kK, int kStride>
+__device__ __forceinline__ void gemm_ss(float (&acc)[kMT][kN / 8][4], const Elem* sA, const Elem* sB, int lane) {
+  gemm_smem<Elem, kMT, kN, kK, kStride, kStride, false, false>(acc, sA, sB, lane);
 }
 
 // Single row tile form.
@@ -62,12 +95,13 @@ __device__ __forceinline__ void gemm_ss(float (&acc)[kN / 8][4], const Elem* sA,
 template <typename Elem, int kMT, int kK, int kN, int kStride>
 __device__ __forceinline__ void gemm_rs(float (&acc)[kMT][kN / 8][4], const uint32_t (&a)[kMT][kK / 16][4],
                                         const Elem* sB, int lane) {
+  constexpr int kE = int(sizeof(Elem));
 #pragma unroll
   for (int kk = 0; kk < kK / 16; ++kk) {
 #pragma unroll
     for (int nn = 0; nn < kN / 16; ++nn) {
       uint32_t b[4];
-      ldmatrix_x4_trans(b, sB + (kk * 16 + (lane % 8) + 8 * ((lane / 8) % 2)) * kStride + nn * 16 + 8 * (lane / 16));
+      load_b<true>(b, sB, kStride * kE, nn * 16, kk * 16, kE, lane);
 #pragma unroll
       for (int mt = 0; mt < kMT; ++mt) {
         mma_16816<Elem>(acc[mt][2 * nn], a[mt][kk], b[0], b[1]);

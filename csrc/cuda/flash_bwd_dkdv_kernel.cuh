@@ -1,0 +1,221 @@
+// The backward's main kernel: one CTA per block of keys. For each block of queries that can see
+// those keys it recomputes S = Q K^T and P = exp(S - lse) and dP = dO V^T, forms
+// dS = P (dP - D) scaled by softmax_scale, passes P and dS through shared memory, and
+// accumulates dV += P^T dO and dK += dS^T Q in registers. With T::kDoDQ it also adds this key
+// block's share of dQ = dS K into a float32 buffer with atomics (the fast, non-deterministic
+// mode); without, the dQ kernel recomputes it in a fixed order.
+#pragma once
+
+#include "flash_fwd_kernel.cuh"
+
+namespace flash::cuda {
+
+// Query rows [begin, end) that can see any key of [j0, j1): the visible ranges' ends grow with
+// the row, so these rows are contiguous.
+__device__ __forceinline__ void query_row_range(const FwdParams& p, int j0, int j1, int& begin, int& end) {
+  const int shift = p.seqlen_k - p.seqlen_q;
+  begin = p.window_size_right < 0 ? 0 : max(0, j0 - shift - p.window_size_right);
+  end = p.window_size_left < 0 ? p.seqlen_q : min(p.seqlen_q, j1 - shift + p.window_size_left);
+}
+
+// Store a (16 kMT x kN) accumulator at (row0, col0) of a shared-memory tile as 16-bit values.
+template <typename Elem, int kMT, int kN, int kStride>
+__device__ __forceinline__ void store_acc_smem(Elem* s, const float (&acc)[kMT][kN / 8][4], int lane) {
+#pragma unroll
+  for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+    for (int nt = 0; nt < kN / 8; ++nt)
+#pragma unroll
+      for (int hr = 0; hr < 2; ++hr)
+        *reinterpret_cast<uint32_t*>(s + (mt * 16 + lane / 4 + 8 * hr) * kStride + nt * 8 + 2 * (lane % 4)) =
+            pack2<Elem>(acc[mt][nt][2 * hr], acc[mt][nt][2 * hr + 1]);
+}
+
+// dq_accum[row, col..col+1] += (x, y); rows of p.d floats per (batch, head).
+__device__ __forceinline__ void atomic_add2(float* dst, float x, float y) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  atomicAdd(reinterpret_cast<float2*>(dst), make_float2(x, y));
+#else
+  atomicAdd(dst, x);
+  atomicAdd(dst + 1, y);
+#endif
+}
+
+template <typename T>
+__global__ void __launch_bounds__(T::kNThreads, 1) flash_bwd_dkdv_kernel(const BwdParams p) {
+  using Elem = typename T::Elem;
+  constexpr int kD = T::kHeadDim, kM = T::kBlockM, kN = T::kBlockN, kS = T::kStride, kSP = T::kStrideP;
+  constexpr int kMTS = T::kMTS, kNS = T::kNS, kMTKV = T::kMTKV, kDKV = T::kDKV, kMTQ = T::kMTQ, kDQ = T::kDQ;
+  extern __shared__ __align__(16) char smem_raw[];
+  Elem* sK = reinterpret_cast<Elem*>(smem_raw);
+  Elem* sV = sK + T::kSmemKV;
+  Elem* sdO = sV + T::kSmemKV;
+  Elem* sP = sdO + T::kSmemQ;
+  Elem* sdS = sP + T::kSmemP;
+  Elem* sQ = sdS + T::kSmemP;  // kQStages buffers
+
+  const int j0 = blockIdx.x * kN, h = blockIdx.y, b = blockIdx.z;
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
+  const HeadPtrs<Elem> hp = head_ptrs<Elem>(p, b, h);
+  const Elem* dout = static_cast<const Elem*>(p.do_ptr) + b * p.do_batch_stride + h * p.do_head_stride;
+  const float* lse = p.softmax_lse_ptr + int64_t(hp.bh) * p.seqlen_q;
+  const float* dsum = p.dsoftmax_sum_ptr + int64_t(hp.bh) * p.seqlen_q;
+  float* dq_accum = T::kDoDQ ? p.dq_accum_ptr + int64_t(hp.bh) * p.seqlen_q * p.d : nullptr;
+  const bool dropout = p.p_dropout > 0.f;
+  const DropoutState ds = dropout ? dropout_state_bwd(p) : DropoutState{};
+
+  // This warp's place in each GEMM's warp grid (rows and columns relative to the block).
+  const int s_m0 = (warp % T::kWarpsMS) * kMTS * 16, s_n0 = (warp / T::kWarpsMS) * kNS;
+  const int kv_n0 = (warp % T::kWarpsNKV) * kMTKV * 16, kv_d0 = (warp / T::kWarpsNKV) * kDKV;
+  const int q_m0 = (warp % T::kWarpsMQ) * kMTQ * 16, q_d0 = (warp / T::kWarpsMQ) * kDQ;
+
+  int i_begin, i_end;
+  query_row_range(p, j0, min(j0 + kN, p.seqlen_k), i_begin, i_end);
+  const int mb_begin = i_begin / kM, mb_end = i_begin < i_end ? (i_end + kM - 1) / kM : mb_begin;
+  const auto load_q = [&](int mb, int stage) {
+    const int i0 = mb * kM;
+    load_tile_async<kM, kD, T::kNThreads>(sQ + stage * T::kSmemQ, hp.q + i0 * p.q_row_stride, p.q_row_stride,
+                                          p.seqlen_q - i0, p.d, tid);
+  };
+  const auto load_do = [&](int mb) {
+    const int i0 = mb * kM;
+    load_tile_async<kM, kD, T::kNThreads>(sdO, dout + i0 * p.do_row_stride, p.do_row_stride, p.seqlen_q - i0, p.d,
+                                          tid);
+  };
+
+  load_tile_async<kN, kD, T::kNThreads>(sK, hp.k + j0 * p.k_row_stride, p.k_row_stride, p.seqlen_k - j0, p.d, tid);
+  load_tile_async<kN, kD, T::kNThreads>(sV, hp.v + j0 * p.v_row_stride, p.v_row_stride, p.seqlen_k - j0, p.d, tid);
+  if (mb_begin < mb_end) {
+    load_q(mb_begin, 0);
+    load_do(mb_begin);
+  }
+  cp_async_commit();
+
+  float dk[kMTKV][kDKV / 8][4], dv[kMTKV][kDKV / 8][4];
+#pragma unroll
+  for (int mt = 0; mt < kMTKV; ++mt) {
+    zero<kDKV>(dk[mt]);
+    zero<kDKV>(dv[mt]);
+  }
+
+  for (int mb = mb_begin; mb < mb_end; ++mb) {
+    const int i0 = mb * kM, stage = T::kQStages == 2 ? (mb - mb_begin) & 1 : 0;
+    const bool has_next = mb + 1 < mb_end;
+    const Elem* sQc = sQ + stage * T::kSmemQ;
+    cp_async_wait<0>();
+    __syncthreads();  // Q and dO are in; every warp is done with the previous P, dS and Q buffer
+    if (T::kQStages == 2 && has_next) {
+      load_q(mb + 1, stage ^ 1);
+      cp_async_commit();
+    }
+
+    // Row statistics of this warp's S rows (thread rows g and g + 8 of each 16-row tile).
+    float lse2[kMTS][2], dsm[kMTS][2];
+    ColRange rows[kMTS][2];
+#pragma unroll
+    for (int mt = 0; mt < kMTS; ++mt)
+#pragma unroll
+      for (int hr = 0; hr < 2; ++hr) {
+        const int row = i0 + s_m0 + mt * 16 + g + 8 * hr;
+        const bool ok = row < p.seqlen_q;
+        lse2[mt][hr] = ok ? lse[row] * kLog2e : 0.f;
+        dsm[mt][hr] = ok ? dsum[row] : 0.f;
+        rows[mt][hr] = ok ? cols_of(p, row) : ColRange{0, 0};
+      }
+
+    float s[kMTS][kNS / 8][4], dp[kMTS][kNS / 8][4];
+#pragma unroll
+    for (int mt = 0; mt < kMTS; ++mt) {
+      zero<kNS>(s[mt]);
+      zero<kNS>(dp[mt]);
+    }
+    gemm_ss<Elem, kMTS, kNS, kD, kS>(s, sQc + s_m0 * kS, sK + s_n0 * kS, lane);
+    gemm_ss<Elem, kMTS, kNS, kD, kS>(dp, sdO + s_m0 * kS, sV + s_n0 * kS, lane);  // dP = dO V^T
+    const bool masked = !(tile_fully_visible(p, i0, i0 + kM, j0, j0 + kN) && i0 + kM <= p.seqlen_q);
+#pragma unroll
+    for (int mt = 0; mt < kMTS; ++mt) {
+      scale_acc<kNS>(s[mt], p.scale_softmax_log2);
+      if (masked) mask_qmajor<kNS>(s[mt], j0 + s_n0, rows[mt], lane);
+#pragma unroll
+      for (int c = 0; c < kNS / 16; ++c) {
+        bool keep[2][4];
+        if (dropout) dropout_keep_qmajor(keep, ds, hp.bh, i0 + s_m0 + mt * 16, j0 + s_n0 + c * 16, lane);
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh)
+#pragma unroll
+          for (int r = 0; r < 4; ++r) {
+            float& sv = s[mt][2 * c + hh][r];
+            float& dv_ = dp[mt][2 * c + hh][r];
+            const float pv = sv == kNegInf ? 0.f : fast_exp2(sv - lse2[mt][r >> 1]);
+            float x = dv_;
+            if (dropout) x = keep[hh][r] ? x * p.rp_dropout : 0.f;
+            dv_ = pv * (x - dsm[mt][r >> 1]) * p.scale_softmax;  // dS
+            sv = dropout ? (keep[hh][r] ? pv * p.rp_dropout : 0.f) : pv;  // P with dropout applied
+          }
+      }
+    }
+    store_acc_smem<Elem, kMTS, kNS, kSP>(sP + s_m0 * kSP + s_n0, s, lane);
+    store_acc_smem<Elem, kMTS, kNS, kSP>(sdS + s_m0 * kSP + s_n0, dp, lane);
+    __syncthreads();  // P and dS are complete
+
+    gemm_smem<Elem, kMTKV, kDKV, kM, kSP, kS, true, true>(dv, sP + kv_n0, sdO + kv_d0, lane);  // dV += P^T dO
+    if (has_next) {
+      __syncthreads();  // every warp is done with dO
+      load_do(mb + 1);
+      cp_async_commit();
+    }
+    gemm_smem<Elem, kMTKV, kDKV, kM, kSP, kS, true, true>(dk, sdS + kv_n0, sQc + kv_d0, lane);  // dK += dS^T Q
+    if (T::kQStages == 1 && has_next) {
+      __syncthreads();  // every warp is done with Q
+      load_q(mb + 1, 0);
+      cp_async_commit();
+    }
+    if constexpr (T::kDoDQ) {
+      float dq[kMTQ][kDQ / 8][4];
+#pragma unroll
+      for (int mt = 0; mt < kMTQ; ++mt) zero<kDQ>(dq[mt]);
+      gemm_smem<Elem, kMTQ, kDQ, kN, kSP, kS, false, true>(dq, sdS + q_m0 * kSP, sK + q_d0, lane);  // dQ = dS K
+#pragma unroll
+      for (int mt = 0; mt < kMTQ; ++mt)
+#pragma unroll
+        for (int hr = 0; hr < 2; ++hr) {
+          const int row = i0 + q_m0 + mt * 16 + g + 8 * hr;
+          if (row >= p.seqlen_q) continue;
+#pragma unroll
+          for (int nt = 0; nt < kDQ / 8; ++nt) {
+            const int col = q_d0 + nt * 8 + 2 * t;
+            if (col < p.d) atomic_add2(dq_accum + int64_t(row) * p.d + col, dq[mt][nt][2 * hr], dq[mt][nt][2 * hr + 1]);
+          }
+        }
+    }
+  }
+
+  // Without GQA dK/dV are final: write them in the input dtype. With GQA write per-query-head
+  // float32 partials; the op layer sums each group.
+  const int64_t head_off = int64_t(hp.bh) * p.seqlen_k * p.d;
+  Elem* dk_out = static_cast<Elem*>(p.dk_ptr) + b * p.dk_batch_stride + h * p.dk_head_stride;
+  Elem* dv_out = static_cast<Elem*>(p.dv_ptr) + b * p.dv_batch_stride + h * p.dv_head_stride;
+  const bool direct = p.dk_accum_ptr == nullptr;
+#pragma unroll
+  for (int mt = 0; mt < kMTKV; ++mt)
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) {
+      const int key = j0 + kv_n0 + mt * 16 + g + 8 * hr;
+      if (key >= p.seqlen_k) continue;
+      if (direct) {
+        store_acc_row<Elem, kDKV>(dk_out + key * p.dk_row_stride + kv_d0, dk[mt], hr, 1.f, p.d - kv_d0, lane);
+        store_acc_row<Elem, kDKV>(dv_out + key * p.dv_row_stride + kv_d0, dv[mt], hr, 1.f, p.d - kv_d0, lane);
+        continue;
+      }
+#pragma unroll
+      for (int nt = 0; nt < kDKV / 8; ++nt) {
+        const int col = kv_d0 + nt * 8 + 2 * t;
+        if (col >= p.d) continue;
+        const int64_t off = head_off + int64_t(key) * p.d + col;
+        *reinterpret_cast<float2*>(p.dk_accum_ptr + off) = make_float2(dk[mt][nt][2 * hr], dk[mt][nt][2 * hr + 1]);
+        *reinterpret_cast<float2*>(p.dv_accum_ptr + off) = make_float2(dv[mt][nt][2 * hr], dv[mt][nt][2 * hr + 1]);
+      }
+    }
+}
+
+}  // namespace flash::cuda
