@@ -161,12 +161,18 @@ at::Tensor cuda_operand(const at::Tensor& t, int64_t d8) {
 struct CudaQKV {
   int64_t d8;
   at::Tensor q, k, v;
+  double scale;      // > 0: the kernels fold it into their exponents after taking row maxima
+  double dq_factor;  // what the backward multiplies the kernels' dQ by
 };
 
-CudaQKV cuda_qkv(const Shapes& s, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+// The kernels take a positive scale. A negative one runs as (-q, -scale), exactly the same
+// scores, with dQ negated; zero runs as (q = 0, scale 1), the same all-zero scores, with dQ = 0.
+CudaQKV cuda_qkv(const Shapes& s, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale) {
   check_cuda_operands(q);
   const int64_t d8 = round_up8(s.d);
-  return CudaQKV{d8, cuda_operand(q, d8), cuda_operand(k, d8), cuda_operand(v, d8)};
+  const at::Tensor qs = scale > 0 ? q : scale < 0 ? q.neg() : at::zeros_like(q);
+  return CudaQKV{d8, cuda_operand(qs, d8), cuda_operand(k, d8), cuda_operand(v, d8),
+                 scale > 0 ? scale : scale < 0 ? -scale : 1.0, scale > 0 ? 1.0 : scale < 0 ? -1.0 : 0.0};
 }
 
 void set_cuda_philox(FwdParams& p) {
@@ -207,10 +213,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> mha_fwd(
 #ifdef FLASH_ATTN_WITH_CUDA
   if (q.is_cuda()) {
     c10::cuda::CUDAGuard guard(q.device());
-    const auto [d8, qc, kc, vc] = cuda_qkv(s, q, k, v);
+    const auto [d8, qc, kc, vc, cscale, dq_factor] = cuda_qkv(s, q, k, v, scale);
     at::Tensor out_k = d8 == s.d ? out : at::empty({s.b, s.seqlen_q, s.h, d8}, opts);
     FwdParams p;
-    set_fwd_params(p, s, qc, kc, vc, out_k, lse, dropout_p, scale, causal, window_size_left, window_size_right);
+    set_fwd_params(p, s, qc, kc, vc, out_k, lse, dropout_p, cscale, causal, window_size_left, window_size_right);
     p.d = int(d8);
     p.p_ptr = return_softmax ? probs.data_ptr<float>() : nullptr;
     p.rng_state_ptr = rng_state.data_ptr<int64_t>();
@@ -284,7 +290,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> mha_bwd(
 #ifdef FLASH_ATTN_WITH_CUDA
   if (q.is_cuda()) {
     c10::cuda::CUDAGuard guard(q.device());
-    const auto [d8, qc, kc, vc] = cuda_qkv(s, q, k, v);
+    const auto [d8, qc, kc, vc, cscale, dq_factor] = cuda_qkv(s, q, k, v, scale);
     const at::Tensor oc = cuda_operand(out, d8), doc = cuda_operand(dout, d8);
     at::Tensor dq = at::empty({s.b, s.seqlen_q, s.h, d8}, q.options());
     // Without GQA the kernel writes dK/dV in the input dtype; with GQA per-query-head float32
@@ -298,7 +304,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> mha_bwd(
     at::Tensor dsum = at::empty({s.b, s.h, s.seqlen_q}, f32);
     at::Tensor rng = dropout_p > 0.0 ? rng_state->to(q.device()) : at::Tensor();
     BwdParams p;
-    set_fwd_params(p, s, qc, kc, vc, oc, lse, dropout_p, scale, causal, window_size_left, window_size_right);
+    set_fwd_params(p, s, qc, kc, vc, oc, lse, dropout_p, cscale, causal, window_size_left, window_size_right);
     p.d = int(d8);
     p.do_ptr = doc.data_ptr();
     set_strides(doc, p.do_batch_stride, p.do_row_stride, p.do_head_stride);
@@ -314,15 +320,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> mha_bwd(
       set_strides(dv, p.dv_batch_stride, p.dv_row_stride, p.dv_head_stride);
     }
     p.dsoftmax_sum_ptr = dsum.data_ptr<float>();
-    at::Tensor dq_accum;  // cleared by the kernels' pre-pass
+    at::Tensor dq_accum;
     if (!deterministic) {
-      dq_accum = at::empty({s.b, s.h, s.seqlen_q, d8}, f32);
+      const cuda::DqAccumShape acc = cuda::dq_accum_shape(s.seqlen_q, d8);
+      dq_accum = at::zeros({s.b, s.h, acc.rows, acc.row_stride}, f32);
       p.dq_accum_ptr = dq_accum.data_ptr<float>();
     }
     p.rng_state_ptr = dropout_p > 0.0 ? rng.data_ptr<int64_t>() : nullptr;
     if (s.seqlen_k == 0) dq.zero_();
     cuda::run_bwd(p, at::cuda::getCurrentCUDAStream().stream());
     const auto trim = [&](const at::Tensor& x) { return d8 == s.d ? x : x.narrow(3, 0, s.d).contiguous(); };
+    if (dq_factor != 1.0) dq.mul_(dq_factor);
     return {trim(dq), gqa ? group_sum(dk) : trim(dk), gqa ? group_sum(dv) : trim(dv)};
   }
 #endif

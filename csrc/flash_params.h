@@ -83,7 +83,8 @@ struct BwdParams : FwdParams {
   // Otherwise float32 scratch the op layer allocates: per-query-head dK/dV before the GQA group sum,
   // laid out (batch, h, seqlen_k, d) contiguous, and dQ partial sums, one per split of the key
   // blocks, laid out (batch, h, num_splits, seqlen_q, d) and summed by the op layer. CUDA: when set
-  // (not deterministic), one (batch, h, seqlen_q, d) dQ accumulator the kernels add into atomically.
+  // (not deterministic), one zeroed dQ accumulator the kernels add into atomically, laid out as
+  // cuda::dq_accum_shape() says.
   float* __restrict__ dk_accum_ptr = nullptr;
   float* __restrict__ dv_accum_ptr = nullptr;
   float* __restrict__ dq_accum_ptr = nullptr;

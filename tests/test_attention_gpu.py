@@ -28,17 +28,18 @@ def make(b, sq, sk, h, hk, d, dtype):
     return q, k, v
 
 
-def check_against_reference(q, k, v, causal=False, window_size=(-1, -1), dropout_p=0.0, deterministic=False):
+def check_against_reference(q, k, v, causal=False, window_size=(-1, -1), dropout_p=0.0, deterministic=False,
+                            softmax_scale=None):
     dtype = q.dtype
     poison_allocator()
-    out, lse, s_dmask = flash_attn_func(q, k, v, dropout_p=dropout_p, causal=causal, window_size=window_size,
-                                        return_attn_probs=True, deterministic=deterministic)
+    out, lse, s_dmask = flash_attn_func(q, k, v, dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal,
+                                        window_size=window_size, return_attn_probs=True, deterministic=deterministic)
     keep = None if dropout_p == 0 else ~torch.signbit(s_dmask)
     dout = torch.randn_like(out)
     poison_allocator()
     grads = torch.autograd.grad(out, (q, k, v), dout)
     check_grads_against_reference(q, k, v, out, dout, grads, dtype, causal=causal, window_size=window_size,
-                                  dropout_p=dropout_p, keep_mask=keep)
+                                  dropout_p=dropout_p, keep_mask=keep, softmax_scale=softmax_scale)
     assert torch.isfinite(lse[~torch.isneginf(lse)]).all()
     return out, grads
 
@@ -75,6 +76,15 @@ def test_dropout(sq, sk, d, causal, dtype):
 @pytest.mark.parametrize("window_size", [(0, 0), (16, 0), (5, 9), (-1, 3), (100, -1)])
 def test_window(window_size):
     check_against_reference(*make(2, 500, 700, 4, 4, 64, torch.bfloat16), window_size=window_size)
+
+
+# The kernels fold the scale into their exponents and assume it is not negative; a negative
+# scale runs as (-q, |scale|).
+@pytest.mark.parametrize("softmax_scale", [0.3, 0.0, -0.2])
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_softmax_scale(softmax_scale, deterministic):
+    check_against_reference(*make(2, 150, 200, 4, 2, 64, torch.bfloat16), causal=True, softmax_scale=softmax_scale,
+                            deterministic=deterministic)
 
 
 def test_odd_head_dim_is_padded():

@@ -3,10 +3,12 @@
 // dS = P (dP - D) scaled by softmax_scale, passes P and dS through shared memory, and
 // accumulates dV += P^T dO and dK += dS^T Q in registers. With T::kDoDQ it also adds this key
 // block's share of dQ = dS K into a float32 buffer with atomics (the fast, non-deterministic
-// mode); without, the dQ kernel recomputes it in a fixed order.
+// mode); without, the dQ kernel recomputes it in a fixed order. dS is kept unscaled here:
+// softmax_scale is applied once to dK in the epilogue and to dQ in the conversion kernel.
 #pragma once
 
 #include "flash_fwd_kernel.cuh"
+#include "flash_launch.h"
 
 namespace flash::cuda {
 
@@ -31,7 +33,7 @@ __device__ __forceinline__ void store_acc_smem(Elem* s, const float (&acc)[kMT][
             pack2<Elem>(acc[mt][nt][2 * hr], acc[mt][nt][2 * hr + 1]);
 }
 
-// dq_accum[row, col..col+1] += (x, y); rows of p.d floats per (batch, head).
+// dst[0..1] += (x, y) in global memory.
 __device__ __forceinline__ void atomic_add2(float* dst, float x, float y) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   atomicAdd(reinterpret_cast<float2*>(dst), make_float2(x, y));
@@ -41,7 +43,8 @@ __device__ __forceinline__ void atomic_add2(float* dst, float x, float y) {
 #endif
 }
 
-template <typename T>
+// kDropout = false compiles the dropout code out (p.p_dropout must be 0); true checks p.p_dropout.
+template <typename T, bool kDropout>
 __global__ void __launch_bounds__(T::kNThreads, 1) flash_bwd_dkdv_kernel(const BwdParams p) {
   using Elem = typename T::Elem;
   constexpr int kD = T::kHeadDim, kM = T::kBlockM, kN = T::kBlockN, kS = T::kStride, kSP = T::kStrideP;
@@ -52,7 +55,9 @@ __global__ void __launch_bounds__(T::kNThreads, 1) flash_bwd_dkdv_kernel(const B
   Elem* sdO = sV + T::kSmemKV;
   Elem* sP = sdO + T::kSmemQ;
   Elem* sdS = sP + T::kSmemP;
-  Elem* sQ = sdS + T::kSmemP;  // kQStages buffers
+  Elem* sQ = sdS + T::kSmemP;                                           // kQStages buffers
+  float* sLse = reinterpret_cast<float*>(sQ + T::kQStages * T::kSmemQ);  // per stage, per query
+  float* sDsum = sLse + T::kQStages * kM;
 
   const int j0 = blockIdx.x * kN, h = blockIdx.y, b = blockIdx.z;
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
@@ -60,8 +65,11 @@ __global__ void __launch_bounds__(T::kNThreads, 1) flash_bwd_dkdv_kernel(const B
   const Elem* dout = static_cast<const Elem*>(p.do_ptr) + b * p.do_batch_stride + h * p.do_head_stride;
   const float* lse = p.softmax_lse_ptr + int64_t(hp.bh) * p.seqlen_q;
   const float* dsum = p.dsoftmax_sum_ptr + int64_t(hp.bh) * p.seqlen_q;
-  float* dq_accum = T::kDoDQ ? p.dq_accum_ptr + int64_t(hp.bh) * p.seqlen_q * p.d : nullptr;
-  const bool dropout = p.p_dropout > 0.f;
+  // dQ accumulator: (batch, h, rows padded to kM, kD) as in dq_accum_shape(); this thread's
+  // first element, relative to the query block.
+  constexpr int kPad = kDqAccumRowPad;
+  float* dq_accum = T::kDoDQ ? p.dq_accum_ptr + int64_t(hp.bh) * ((p.seqlen_q + kPad - 1) / kPad * kPad) * kD : nullptr;
+  const bool dropout = kDropout && p.p_dropout > 0.f;
   const DropoutState ds = dropout ? dropout_state_bwd(p) : DropoutState{};
 
   // This warp's place in each GEMM's warp grid (rows and columns relative to the block).
@@ -72,10 +80,15 @@ __global__ void __launch_bounds__(T::kNThreads, 1) flash_bwd_dkdv_kernel(const B
   int i_begin, i_end;
   query_row_range(p, j0, min(j0 + kN, p.seqlen_k), i_begin, i_end);
   const int mb_begin = i_begin / kM, mb_end = i_begin < i_end ? (i_end + kM - 1) / kM : mb_begin;
-  const auto load_q = [&](int mb, int stage) {
+  static_assert(T::kNThreads >= 2 * kM, "one thread per row statistic");
+  const auto load_q = [&](int mb, int stage) {  // Q with its rows' logsumexp and D
     const int i0 = mb * kM;
     load_tile_async<kM, kD, T::kNThreads>(sQ + stage * T::kSmemQ, hp.q + i0 * p.q_row_stride, p.q_row_stride,
                                           p.seqlen_q - i0, p.d, tid);
+    const int r = tid % kM, i = i0 + r;
+    if (tid < 2 * kM)
+      cp_async_4((tid < kM ? sLse : sDsum) + stage * kM + r, (tid < kM ? lse : dsum) + (i < p.seqlen_q ? i : 0),
+                 i < p.seqlen_q);
   };
   const auto load_do = [&](int mb) {
     const int i0 = mb * kM;
@@ -109,20 +122,6 @@ __global__ void __launch_bounds__(T::kNThreads, 1) flash_bwd_dkdv_kernel(const B
       cp_async_commit();
     }
 
-    // Row statistics of this warp's S rows (thread rows g and g + 8 of each 16-row tile).
-    float lse2[kMTS][2], dsm[kMTS][2];
-    ColRange rows[kMTS][2];
-#pragma unroll
-    for (int mt = 0; mt < kMTS; ++mt)
-#pragma unroll
-      for (int hr = 0; hr < 2; ++hr) {
-        const int row = i0 + s_m0 + mt * 16 + g + 8 * hr;
-        const bool ok = row < p.seqlen_q;
-        lse2[mt][hr] = ok ? lse[row] * kLog2e : 0.f;
-        dsm[mt][hr] = ok ? dsum[row] : 0.f;
-        rows[mt][hr] = ok ? cols_of(p, row) : ColRange{0, 0};
-      }
-
     float s[kMTS][kNS / 8][4], dp[kMTS][kNS / 8][4];
 #pragma unroll
     for (int mt = 0; mt < kMTS; ++mt) {
@@ -131,11 +130,32 @@ __global__ void __launch_bounds__(T::kNThreads, 1) flash_bwd_dkdv_kernel(const B
     }
     gemm_ss<Elem, kMTS, kNS, kD, kS>(s, sQc + s_m0 * kS, sK + s_n0 * kS, lane);
     gemm_ss<Elem, kMTS, kNS, kD, kS>(dp, sdO + s_m0 * kS, sV + s_n0 * kS, lane);  // dP = dO V^T
-    const bool masked = !(tile_fully_visible(p, i0, i0 + kM, j0, j0 + kN) && i0 + kM <= p.seqlen_q);
+
+    // Row statistics of this warp's rows (thread rows g and g + 8 of each 16-row tile). A row
+    // that sees no key has lse = -inf and every score masked: use 0 so exp2 gives 0, not NaN.
+    float lse2[kMTS][2], dsm[kMTS][2];
+#pragma unroll
+    for (int mt = 0; mt < kMTS; ++mt)
+#pragma unroll
+      for (int hr = 0; hr < 2; ++hr) {
+        const int r = stage * kM + s_m0 + mt * 16 + g + 8 * hr;
+        lse2[mt][hr] = sLse[r] == kNegInf ? 0.f : sLse[r] * kLog2e;
+        dsm[mt][hr] = sDsum[r];
+      }
+    if (!(tile_fully_visible(p, i0, i0 + kM, j0, j0 + kN) && i0 + kM <= p.seqlen_q)) {
+#pragma unroll
+      for (int mt = 0; mt < kMTS; ++mt) {
+        ColRange rows[2];
+#pragma unroll
+        for (int hr = 0; hr < 2; ++hr) {
+          const int row = i0 + s_m0 + mt * 16 + g + 8 * hr;
+          rows[hr] = row < p.seqlen_q ? cols_of(p, row) : ColRange{0, 0};
+        }
+        mask_qmajor<kNS>(s[mt], j0 + s_n0, rows, lane);
+      }
+    }
 #pragma unroll
     for (int mt = 0; mt < kMTS; ++mt) {
-      scale_acc<kNS>(s[mt], p.scale_softmax_log2);
-      if (masked) mask_qmajor<kNS>(s[mt], j0 + s_n0, rows[mt], lane);
 #pragma unroll
       for (int c = 0; c < kNS / 16; ++c) {
         bool keep[2][4];
@@ -145,12 +165,15 @@ __global__ void __launch_bounds__(T::kNThreads, 1) flash_bwd_dkdv_kernel(const B
 #pragma unroll
           for (int r = 0; r < 4; ++r) {
             float& sv = s[mt][2 * c + hh][r];
-            float& dv_ = dp[mt][2 * c + hh][r];
-            const float pv = sv == kNegInf ? 0.f : fast_exp2(sv - lse2[mt][r >> 1]);
-            float x = dv_;
-            if (dropout) x = keep[hh][r] ? x * p.rp_dropout : 0.f;
-            dv_ = pv * (x - dsm[mt][r >> 1]) * p.scale_softmax;  // dS
-            sv = dropout ? (keep[hh][r] ? pv * p.rp_dropout : 0.f) : pv;  // P with dropout applied
+            float& dsv = dp[mt][2 * c + hh][r];
+            const float pv = fast_exp2(fmaf(sv, p.scale_softmax_log2, -lse2[mt][r >> 1]));
+            if (dropout) {
+              dsv = keep[hh][r] ? pv * (dsv * p.rp_dropout - dsm[mt][r >> 1]) : -pv * dsm[mt][r >> 1];
+              sv = keep[hh][r] ? pv * p.rp_dropout : 0.f;  // P with dropout applied
+            } else {
+              dsv = pv * (dsv - dsm[mt][r >> 1]);  // dS / softmax_scale
+              sv = pv;
+            }
           }
       }
     }
@@ -175,18 +198,16 @@ __global__ void __launch_bounds__(T::kNThreads, 1) flash_bwd_dkdv_kernel(const B
 #pragma unroll
       for (int mt = 0; mt < kMTQ; ++mt) zero<kDQ>(dq[mt]);
       gemm_smem<Elem, kMTQ, kDQ, kN, kSP, kS, false, true>(dq, sdS + q_m0 * kSP, sK + q_d0, lane);  // dQ = dS K
+      // Padded rows and columns receive exact zeros (their dS rows and K columns are zero), so
+      // the adds need no bounds checks and their offsets are compile-time constants.
+      float* dst = dq_accum + int64_t(i0 + q_m0 + g) * kD + q_d0 + 2 * t;
 #pragma unroll
       for (int mt = 0; mt < kMTQ; ++mt)
 #pragma unroll
-        for (int hr = 0; hr < 2; ++hr) {
-          const int row = i0 + q_m0 + mt * 16 + g + 8 * hr;
-          if (row >= p.seqlen_q) continue;
+        for (int hr = 0; hr < 2; ++hr)
 #pragma unroll
-          for (int nt = 0; nt < kDQ / 8; ++nt) {
-            const int col = q_d0 + nt * 8 + 2 * t;
-            if (col < p.d) atomic_add2(dq_accum + int64_t(row) * p.d + col, dq[mt][nt][2 * hr], dq[mt][nt][2 * hr + 1]);
-          }
-        }
+          for (int nt = 0; nt < kDQ / 8; ++nt)
+            atomic_add2(dst + (mt * 16 + 8 * hr) * kD + nt * 8, dq[mt][nt][2 * hr], dq[mt][nt][2 * hr + 1]);
     }
   }
 
@@ -203,7 +224,8 @@ __global__ void __launch_bounds__(T::kNThreads, 1) flash_bwd_dkdv_kernel(const B
       const int key = j0 + kv_n0 + mt * 16 + g + 8 * hr;
       if (key >= p.seqlen_k) continue;
       if (direct) {
-        store_acc_row<Elem, kDKV>(dk_out + key * p.dk_row_stride + kv_d0, dk[mt], hr, 1.f, p.d - kv_d0, lane);
+        store_acc_row<Elem, kDKV>(dk_out + key * p.dk_row_stride + kv_d0, dk[mt], hr, p.scale_softmax, p.d - kv_d0,
+                                  lane);
         store_acc_row<Elem, kDKV>(dv_out + key * p.dv_row_stride + kv_d0, dv[mt], hr, 1.f, p.d - kv_d0, lane);
         continue;
       }
@@ -212,7 +234,8 @@ __global__ void __launch_bounds__(T::kNThreads, 1) flash_bwd_dkdv_kernel(const B
         const int col = kv_d0 + nt * 8 + 2 * t;
         if (col >= p.d) continue;
         const int64_t off = head_off + int64_t(key) * p.d + col;
-        *reinterpret_cast<float2*>(p.dk_accum_ptr + off) = make_float2(dk[mt][nt][2 * hr], dk[mt][nt][2 * hr + 1]);
+        *reinterpret_cast<float2*>(p.dk_accum_ptr + off) =
+            make_float2(dk[mt][nt][2 * hr] * p.scale_softmax, dk[mt][nt][2 * hr + 1] * p.scale_softmax);
         *reinterpret_cast<float2*>(p.dv_accum_ptr + off) = make_float2(dv[mt][nt][2 * hr], dv[mt][nt][2 * hr + 1]);
       }
     }

@@ -1,10 +1,10 @@
-// The backward's helper kernels: the pre-pass D = rowsum(dO * O) (which also clears the float32
-// dQ accumulator of the atomic mode), the conversion of that accumulator to dQ, and the
+// The backward's helper kernels: the pre-pass D = rowsum(dO * O), the conversion of that accumulator to dQ, and the
 // deterministic dQ kernel (one CTA per query block, no atomics: it recomputes P and dS and
 // accumulates dQ = dS K in a fixed order). The main kernel is in flash_bwd_dkdv_kernel.cuh.
 #pragma once
 
 #include "flash_fwd_kernel.cuh"
+#include "flash_launch.h"
 
 namespace flash::cuda {
 
@@ -22,26 +22,29 @@ __global__ void flash_bwd_dot_do_o_kernel(const BwdParams p) {
   for (int c = lane; c < p.d; c += 32) sum += to_float(o[c]) * to_float(dout[c]);
 #pragma unroll
   for (int off = 16; off > 0; off /= 2) sum += __shfl_xor_sync(0xffffffff, sum, off);
-  const int64_t bhi = (int64_t(b) * p.h + h) * p.seqlen_q + i;
-  if (lane == 0) p.dsoftmax_sum_ptr[bhi] = sum;
-  if (p.dq_accum_ptr != nullptr)
-    for (int c = lane; c < p.d; c += 32) p.dq_accum_ptr[bhi * p.d + c] = 0.f;
+  if (lane == 0) p.dsoftmax_sum_ptr[(int64_t(b) * p.h + h) * p.seqlen_q + i] = sum;
 }
 
-// dQ (batch, seqlen_q, h, d) in the input dtype from the float32 accumulator (batch, h, seqlen_q,
-// d); four elements per thread (d is a multiple of 8).
-template <typename Elem>
+// dQ (batch, seqlen_q, h, d) in the input dtype from the float32 accumulator of the atomic mode
+// (layout of dq_accum_shape: rows padded to kDqAccumRowPad, row stride kHeadDim), times
+// softmax_scale; four elements per thread (d is a multiple of 8).
+template <typename Elem, int kHeadDim>
 __global__ void flash_bwd_convert_dq_kernel(const BwdParams p) {
-  const int64_t idx = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) * 4;
-  if (idx >= int64_t(p.b) * p.h * p.seqlen_q * p.d) return;
-  const int c = int(idx % p.d);
-  const int64_t row = idx / p.d;  // (b, h, i)
-  const int i = int(row % p.seqlen_q), h = int((row / p.seqlen_q) % p.h), b = int(row / (int64_t(p.seqlen_q) * p.h));
-  const float4 x = *reinterpret_cast<const float4*>(p.dq_accum_ptr + idx);
+  const int64_t quad = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int quads_per_row = p.d / 4;
+  if (quad >= int64_t(p.b) * p.h * p.seqlen_q * quads_per_row) return;
+  const int c = int(quad % quads_per_row) * 4;
+  const int64_t row = quad / quads_per_row;  // (b, h, i)
+  const int i = int(row % p.seqlen_q);
+  const int64_t bh = row / p.seqlen_q;
+  const int h = int(bh % p.h), b = int(bh / p.h);
+  const int64_t rows_per_head = (p.seqlen_q + kDqAccumRowPad - 1) / kDqAccumRowPad * kDqAccumRowPad;
+  const float4 x = *reinterpret_cast<const float4*>(p.dq_accum_ptr + (bh * rows_per_head + i) * kHeadDim + c);
   Elem* dst = static_cast<Elem*>(p.dq_ptr) + b * p.dq_batch_stride + i * p.dq_row_stride + h * p.dq_head_stride + c;
+  const float sc = p.scale_softmax;
   uint2 packed;
-  packed.x = pack2<Elem>(x.x, x.y);
-  packed.y = pack2<Elem>(x.z, x.w);
+  packed.x = pack2<Elem>(x.x * sc, x.y * sc);
+  packed.y = pack2<Elem>(x.z * sc, x.w * sc);
   *reinterpret_cast<uint2*>(dst) = packed;
 }
 

@@ -58,7 +58,8 @@ __device__ __forceinline__ void dropout_qmajor(float (&s)[kN / 8][4], const Drop
   }
 }
 
-template <typename T>
+// kDropout: a separate instantiation, so the common path carries no Philox code or registers.
+template <typename T, bool kDropout>
 __global__ void __launch_bounds__(T::kNThreads) flash_fwd_kernel(const FwdParams p) {
   using Elem = typename T::Elem;
   constexpr int kD = T::kHeadDim, kM = T::kBlockM, kN = T::kBlockN, kS = T::kStride, kMT = T::kMTiles;
@@ -70,7 +71,7 @@ __global__ void __launch_bounds__(T::kNThreads) flash_fwd_kernel(const FwdParams
   const int m0 = blockIdx.x * kM, h = blockIdx.y, b = blockIdx.z;
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
   const HeadPtrs<Elem> hp = head_ptrs<Elem>(p, b, h);
-  const bool dropout = p.p_dropout > 0.f;
+  constexpr bool dropout = kDropout;
   DropoutState ds{};
   if (dropout) {
     ds = dropout_state_fwd(p);
@@ -117,11 +118,9 @@ __global__ void __launch_bounds__(T::kNThreads) flash_fwd_kernel(const FwdParams
     for (int mt = 0; mt < kMT; ++mt) zero<kN>(s[mt]);
     gemm_ss<Elem, kMT, kN, kD, kS>(s, sQ + warp_row * kS, sK, lane);
     const bool masked = !tile_fully_visible(p, m0, m0 + kM, j0, j0 + kN);
+    if (masked)
 #pragma unroll
-    for (int mt = 0; mt < kMT; ++mt) {
-      scale_acc<kN>(s[mt], p.scale_softmax_log2);
-      if (masked) mask_qmajor<kN>(s[mt], j0, rows[mt], lane);
-    }
+      for (int mt = 0; mt < kMT; ++mt) mask_qmajor<kN>(s[mt], j0, rows[mt], lane);
 
     cp_async_wait<0>();
     __syncthreads();  // V_j is in; every warp is done with K_j
@@ -134,7 +133,7 @@ __global__ void __launch_bounds__(T::kNThreads) flash_fwd_kernel(const FwdParams
     uint32_t a[kMT][kN / 16][4];
 #pragma unroll
     for (int mt = 0; mt < kMT; ++mt) {
-      online_softmax<kN, kD>(s[mt], acc[mt], m[mt], l[mt]);
+      online_softmax<kN, kD>(s[mt], acc[mt], m[mt], l[mt], p.scale_softmax_log2);
       if (dropout) dropout_qmajor<kN>(s[mt], ds, hp.bh, m0 + warp_row + mt * 16, j0, lane);
       acc_to_a<Elem, kN>(a[mt], s[mt]);
     }

@@ -3,12 +3,31 @@
 
 #include <cuda_runtime_api.h>
 
+#include <cstdint>
+
 #include "../flash_params.h"
 
 namespace flash::cuda {
 
 // Head dims with compiled kernels; other sizes run on the next larger one (zero-padded).
 inline constexpr int kHeadDims[] = {32, 64, 96, 128, 160, 192, 224, 256};
+
+// The backward's float32 dQ accumulator (atomic mode) per (batch, head): rows padded to a
+// multiple of every main kernel's query block and a row stride of the kernel's head dim, so its
+// atomic adds need no bounds checks. Layout (batch, h, rows, row_stride).
+inline constexpr int kDqAccumRowPad = 128;
+struct DqAccumShape {
+  int64_t rows, row_stride;
+};
+inline DqAccumShape dq_accum_shape(int64_t seqlen_q, int64_t d) {
+  int64_t stride = d;
+  for (int hd : kHeadDims)
+    if (hd >= d) {
+      stride = hd;
+      break;
+    }
+  return DqAccumShape{(seqlen_q + kDqAccumRowPad - 1) / kDqAccumRowPad * kDqAccumRowPad, stride};
+}
 
 void run_fwd(FwdParams& params, cudaStream_t stream);
 void run_bwd(BwdParams& params, cudaStream_t stream);

@@ -31,8 +31,8 @@ struct BwdQTraits : FwdTraits<Elem_, kHeadDim_, kBlockM_, kBlockN_, kMTiles_> {
 //  dV += P^T dO and dK += dS^T Q (kBlockN x d): kWarpsNKV warps along the keys;
 //  dQ = dS K (kBlockM x d, float32 atomics): kWarpsMQ warps along the queries;
 // the rest of each grid runs along the other dimension. P and dS travel through shared memory
-// between the grids. kQStages = 2 double-buffers the Q tile; dO has one buffer, refilled as soon
-// as dV is done with it. kDoDQ = false leaves dQ to the deterministic dQ kernel.
+// between the grids. kQStages = 2 double-buffers the Q tile (with its rows' logsumexp and D); dO
+// has one buffer, refilled as soon as dV is done with it. kDoDQ = false leaves dQ to the deterministic dQ kernel.
 template <typename Elem_, int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_, int kWarpsMS_, int kWarpsNKV_,
           int kWarpsMQ_, int kQStages_, bool kDoDQ_>
 struct BwdTraits {
@@ -47,7 +47,8 @@ struct BwdTraits {
   static constexpr int kWarpsNKV = kWarpsNKV_, kMTKV = kBlockN / kWarpsNKV / 16, kDKV = kHeadDim / (kNWarps / kWarpsNKV);
   static constexpr int kWarpsMQ = kWarpsMQ_, kMTQ = kBlockM / kWarpsMQ / 16, kDQ = kHeadDim / (kNWarps / kWarpsMQ);
   static constexpr int kSmemKV = kBlockN * kStride, kSmemQ = kBlockM * kStride, kSmemP = kBlockM * kStrideP;
-  static constexpr int kSmemBytes = (2 * kSmemKV + (kQStages + 1) * kSmemQ + 2 * kSmemP) * int(sizeof(Elem));
+  static constexpr int kSmemBytes = (2 * kSmemKV + (kQStages + 1) * kSmemQ + 2 * kSmemP) * int(sizeof(Elem)) +
+                                    2 * kQStages * kBlockM * int(sizeof(float));  // + logsumexp and D rows
   static_assert(kMTS >= 1 && kMTKV >= 1 && kMTQ >= 1, "warp grids: at least one 16-row tile per warp");
   static_assert(kNS % 16 == 0 && kDKV % 16 == 0 && kDQ % 16 == 0, "warp tiles: columns in steps of 16");
   static_assert(kMTS * 16 * kWarpsMS == kBlockM && kMTKV * 16 * kWarpsNKV == kBlockN && kMTQ * 16 * kWarpsMQ == kBlockM,

@@ -55,18 +55,19 @@ __device__ __forceinline__ bool tile_fully_visible(const FwdParams& p, int i0, i
   return last.lo <= j0 && first.hi >= j1;
 }
 
-// Online softmax over one tile of log2-domain scores s (already scaled and masked): update the
-// running max m and (thread-partial) sum l of both rows, turn s into unnormalised probabilities
-// and rescale the output accumulator.
+// Online softmax over one tile of raw scores s (masked entries -inf): update the running max m
+// (log2 domain, i.e. times scale_log2, which the op layer makes positive) and the thread-partial
+// sum l of both rows, turn s into unnormalised probabilities and rescale the output accumulator.
+// The scale is folded into each exponent's FFMA.
 template <int kN, int kD>
 __device__ __forceinline__ void online_softmax(float (&s)[kN / 8][4], float (&acc)[kD / 8][4], float (&m)[2],
-                                               float (&l)[2]) {
+                                               float (&l)[2], float scale_log2) {
 #pragma unroll
   for (int hr = 0; hr < 2; ++hr) {
     float mx = kNegInf;
 #pragma unroll
     for (int n = 0; n < kN / 8; ++n) mx = fmaxf(mx, fmaxf(s[n][2 * hr], s[n][2 * hr + 1]));
-    const float m_new = fmaxf(m[hr], quad_max(mx));
+    const float m_new = fmaxf(m[hr], quad_max(mx) * scale_log2);
     const float m_use = m_new == kNegInf ? 0.f : m_new;  // a row with nothing visible yet stays 0
     const float alpha = fast_exp2(m[hr] - m_use);
     m[hr] = m_new;
@@ -75,7 +76,7 @@ __device__ __forceinline__ void online_softmax(float (&s)[kN / 8][4], float (&ac
     for (int n = 0; n < kN / 8; ++n)
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
-        const float pv = fast_exp2(s[n][2 * hr + e] - m_use);
+        const float pv = fast_exp2(fmaf(s[n][2 * hr + e], scale_log2, -m_use));
         s[n][2 * hr + e] = pv;
         sum += pv;
       }

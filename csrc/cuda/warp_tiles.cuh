@@ -13,18 +13,38 @@ struct Tile {
 };
 
 // Cooperative cp.async of rows [0, kRows) of a (rows, head_dim) global tile into shared memory.
-// Rows >= valid_rows and columns >= d are zero-filled (d is a multiple of 8).
+// Rows >= valid_rows and columns >= d are zero-filled (d is a multiple of 8). When the threads
+// cover whole rows, each owns one 16-byte column chunk of every (kThreads / chunks-per-row)-th
+// row, so its addresses are a base plus constant steps, and a tile wholly in range skips the
+// per-chunk bounds checks; otherwise chunks are dealt out one by one.
 template <int kRows, int kHeadDim, int kThreads, typename Elem>
 __device__ __forceinline__ void load_tile_async(Elem* smem, const Elem* gmem, int64_t row_stride, int valid_rows,
                                                 int d, int tid) {
-  constexpr int kChunksPerRow = kHeadDim / 8;
-  constexpr int kChunks = kRows * kChunksPerRow;
+  constexpr int kChunksPerRow = kHeadDim / 8, kStride = Tile<kHeadDim>::kStride;
+  if constexpr (kThreads % kChunksPerRow == 0) {
+    constexpr int kRowStep = kThreads / kChunksPerRow;
+    const int r0 = tid / kChunksPerRow, col = (tid % kChunksPerRow) * 8;
+    Elem* s = smem + r0 * kStride + col;
+    const Elem* g = gmem + r0 * row_stride + col;
+    if (valid_rows >= kRows && d >= kHeadDim) {
 #pragma unroll
-  for (int c = tid; c < kChunks; c += kThreads) {
-    const int row = c / kChunksPerRow, col = (c % kChunksPerRow) * 8;
-    const bool valid = row < valid_rows && col < d;
-    const Elem* src = valid ? gmem + row * row_stride + col : gmem;
-    cp_async_16(smem + row * Tile<kHeadDim>::kStride + col, src, valid);
+      for (int i = 0; i < kRows; i += kRowStep)
+        if (kRows % kRowStep == 0 || r0 + i < kRows) cp_async_16(s + i * kStride, g + i * row_stride, true);
+    } else {
+#pragma unroll
+      for (int i = 0; i < kRows; i += kRowStep) {
+        const bool valid = r0 + i < valid_rows && col < d;
+        if (kRows % kRowStep == 0 || r0 + i < kRows)
+          cp_async_16(s + i * kStride, valid ? g + i * row_stride : gmem, valid);
+      }
+    }
+  } else {
+#pragma unroll
+    for (int c = tid; c < kRows * kChunksPerRow; c += kThreads) {
+      const int row = c / kChunksPerRow, col = (c % kChunksPerRow) * 8;
+      const bool valid = row < valid_rows && col < d;
+      cp_async_16(smem + row * kStride + col, valid ? gmem + row * row_stride + col : gmem, valid);
+    }
   }
 }
 

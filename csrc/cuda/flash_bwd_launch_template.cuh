@@ -1,0 +1,49 @@
+// Backward launcher: the D pre-pass, the main kernel (with atomic dQ, or with the dQ kernel when
+// deterministic) and the dQ conversion. Instantiated once per (dtype, head dim) by the generated
+// files in instantiations/.
+#pragma once
+
+#include "flash_bwd_dkdv_kernel.cuh"
+#include "flash_bwd_kernel.cuh"
+#include "flash_launch.h"
+#include "launch_utils.cuh"
+
+namespace flash::cuda {
+
+// Backward tiles (flash_bwd_dkdv_kernel.cuh): 8 warps; 128 queries per step up to head dim 64, 64
+// above; 128 keys per CTA up to head dim 128 and 64 above, where the dK and dV accumulators
+// (kBlockN x d each, spread over the 8 warps) would not fit in registers. The warp grids keep every warp tile's columns a
+// multiple of 16; the second Q buffer is dropped where shared memory would exceed sm_80's limit.
+template <typename Elem, int kHeadDim, bool kDoDQ>
+using BwdConfig =
+    BwdTraits<Elem, kHeadDim, (kHeadDim <= 64 ? 128 : 64), (kHeadDim <= 128 ? 128 : 64), 8, 2,
+              (kHeadDim == 160 || kHeadDim == 224 ? 4 : kHeadDim <= 128 ? 4 : 2),
+              (kHeadDim == 128 || kHeadDim == 192 || kHeadDim == 256 ? 2 : 4), (kHeadDim <= 192 ? 2 : 1), kDoDQ>;
+
+template <typename Elem, int kHeadDim>
+void run_mha_bwd_(BwdParams& p, cudaStream_t stream) {
+  if (p.b == 0 || p.seqlen_q == 0 || p.seqlen_k == 0) return;  // the op layer zero-fills
+  const int64_t rows = int64_t(p.b) * p.seqlen_q * p.h;
+  flash_bwd_dot_do_o_kernel<Elem><<<unsigned((rows * 32 + 255) / 256), 256, 0, stream>>>(p);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  const auto main_grid = [&](int block_n) { return dim3((p.seqlen_k + block_n - 1) / block_n, p.h, p.b); };
+  if (p.dq_accum_ptr != nullptr) {  // dQ by atomics into the zeroed accumulator of dq_accum_shape()
+    using T = BwdConfig<Elem, kHeadDim, true>;
+    static_assert(kDqAccumRowPad % T::kBlockM == 0, "dq_accum_shape() pads rows to the main kernel's query block");
+    if (p.p_dropout > 0.f) launch<T>(&flash_bwd_dkdv_kernel<T, true>, main_grid(T::kBlockN), p, stream);
+    else launch<T>(&flash_bwd_dkdv_kernel<T, false>, main_grid(T::kBlockN), p, stream);
+    const int64_t quads = rows * p.d / 4;
+    flash_bwd_convert_dq_kernel<Elem, kHeadDim><<<unsigned((quads + 255) / 256), 256, 0, stream>>>(p);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    return;
+  }
+  // Deterministic: dQ from its own kernel, forward-shaped (two 16-row tiles per warp up to 128).
+  // One main-kernel instantiation for both dropout settings keeps the build shorter.
+  using T = BwdConfig<Elem, kHeadDim, false>;
+  launch<T>(&flash_bwd_dkdv_kernel<T, true>, main_grid(T::kBlockN), p, stream);
+  using TQ = BwdQTraits<Elem, kHeadDim, (kHeadDim <= 128 ? 128 : 64), 32, (kHeadDim <= 128 ? 2 : 1)>;
+  const dim3 grid_q((p.seqlen_q + TQ::kBlockM - 1) / TQ::kBlockM, p.h, p.b);
+  launch<TQ>(&flash_bwd_dq_kernel<TQ>, grid_q, p, stream);
+}
+
+}  // namespace flash::cuda
