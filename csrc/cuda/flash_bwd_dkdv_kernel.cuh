@@ -128,8 +128,9 @@ __global__ void __launch_bounds__(T::kNThreads, 1) flash_bwd_dkdv_kernel(const B
       zero<kNS>(s[mt]);
       zero<kNS>(dp[mt]);
     }
-    gemm_ss<Elem, kMTS, kNS, kD, kS>(s, sQc + s_m0 * kS, sK + s_n0 * kS, lane);
-    gemm_ss<Elem, kMTS, kNS, kD, kS>(dp, sdO + s_m0 * kS, sV + s_n0 * kS, lane);  // dP = dO V^T
+    // S = Q K^T and dP = dO V^T
+    gemm_smem_pair<Elem, kMTS, kNS, kD, kS, kS, false, false>(s, sQc + s_m0 * kS, sK + s_n0 * kS, dp, sdO + s_m0 * kS,
+                                                             sV + s_n0 * kS, lane);
 
     // Row statistics of this warp's rows (thread rows g and g + 8 of each 16-row tile). A row
     // that sees no key has lse = -inf and every score masked: use 0 so exp2 gives 0, not NaN.
@@ -144,15 +145,7 @@ __global__ void __launch_bounds__(T::kNThreads, 1) flash_bwd_dkdv_kernel(const B
       }
     if (!(tile_fully_visible(p, i0, i0 + kM, j0, j0 + kN) && i0 + kM <= p.seqlen_q)) {
 #pragma unroll
-      for (int mt = 0; mt < kMTS; ++mt) {
-        ColRange rows[2];
-#pragma unroll
-        for (int hr = 0; hr < 2; ++hr) {
-          const int row = i0 + s_m0 + mt * 16 + g + 8 * hr;
-          rows[hr] = row < p.seqlen_q ? cols_of(p, row) : ColRange{0, 0};
-        }
-        mask_qmajor<kNS>(s[mt], j0 + s_n0, rows, lane);
-      }
+      for (int mt = 0; mt < kMTS; ++mt) mask_tile_qmajor<kNS>(s[mt], p, i0 + s_m0 + mt * 16, j0 + s_n0, lane);
     }
 #pragma unroll
     for (int mt = 0; mt < kMTS; ++mt) {

@@ -65,7 +65,6 @@ __global__ void __launch_bounds__(T::kNThreads) flash_bwd_dq_kernel(const BwdPar
   const bool dropout = p.p_dropout > 0.f;
   const DropoutState ds = dropout ? dropout_state_bwd(p) : DropoutState{};
   const int warp_row = warp * 16 * kMT;  // first query of this warp, relative to m0
-  ColRange rows[kMT][2];
   float lse2[kMT][2], dsum[kMT][2];
 #pragma unroll
   for (int mt = 0; mt < kMT; ++mt)
@@ -73,7 +72,6 @@ __global__ void __launch_bounds__(T::kNThreads) flash_bwd_dq_kernel(const BwdPar
     for (int hr = 0; hr < 2; ++hr) {
       const int row = m0 + warp_row + mt * 16 + g + 8 * hr;
       const bool ok = row < p.seqlen_q;
-      rows[mt][hr] = cols_of(p, row);
       lse2[mt][hr] = ok ? p.softmax_lse_ptr[int64_t(hp.bh) * p.seqlen_q + row] * kLog2e : 0.f;
       dsum[mt][hr] = ok ? p.dsoftmax_sum_ptr[int64_t(hp.bh) * p.seqlen_q + row] : 0.f;
     }
@@ -100,14 +98,15 @@ __global__ void __launch_bounds__(T::kNThreads) flash_bwd_dq_kernel(const BwdPar
       zero<kN>(s[mt]);
       zero<kN>(dp[mt]);
     }
-    gemm_ss<Elem, kMT, kN, kD, kS>(s, sQ + warp_row * kS, sK, lane);
-    gemm_ss<Elem, kMT, kN, kD, kS>(dp, sdO + warp_row * kS, sV, lane);  // dP = dO V^T
+    // S = Q K^T and dP = dO V^T
+    gemm_smem_pair<Elem, kMT, kN, kD, kS, kS, false, false>(s, sQ + warp_row * kS, sK, dp, sdO + warp_row * kS, sV,
+                                                            lane);
     const bool masked = !tile_fully_visible(p, m0, m0 + kM, j0, j0 + kN);
     uint32_t a[kMT][kN / 16][4];
 #pragma unroll
     for (int mt = 0; mt < kMT; ++mt) {
       scale_acc<kN>(s[mt], p.scale_softmax_log2);
-      if (masked) mask_qmajor<kN>(s[mt], j0, rows[mt], lane);
+      if (masked) mask_tile_qmajor<kN>(s[mt], p, m0 + warp_row + mt * 16, j0, lane);
 #pragma unroll
       for (int c = 0; c < kN / 16; ++c) {
         bool keep[2][4];

@@ -84,12 +84,6 @@ __global__ void __launch_bounds__(T::kNThreads) flash_fwd_kernel(const FwdParams
   int n_begin, n_end;
   key_block_range<kN>(p, m0, kM, n_begin, n_end);
   const int warp_row = warp * 16 * kMT;  // first query of this warp, relative to m0
-  ColRange rows[kMT][2];
-#pragma unroll
-  for (int mt = 0; mt < kMT; ++mt) {
-    rows[mt][0] = cols_of(p, m0 + warp_row + mt * 16 + g);
-    rows[mt][1] = cols_of(p, m0 + warp_row + mt * 16 + g + 8);
-  }
 
   float acc[kMT][kD / 8][4];
   float m[kMT][2], l[kMT][2];
@@ -120,7 +114,7 @@ __global__ void __launch_bounds__(T::kNThreads) flash_fwd_kernel(const FwdParams
     const bool masked = !tile_fully_visible(p, m0, m0 + kM, j0, j0 + kN);
     if (masked)
 #pragma unroll
-      for (int mt = 0; mt < kMT; ++mt) mask_qmajor<kN>(s[mt], j0, rows[mt], lane);
+      for (int mt = 0; mt < kMT; ++mt) mask_tile_qmajor<kN>(s[mt], p, m0 + warp_row + mt * 16, j0, lane);
 
     cp_async_wait<0>();
     __syncthreads();  // V_j is in; every warp is done with K_j

@@ -48,6 +48,23 @@ __device__ __forceinline__ void mask_qmajor(float (&s)[kN / 8][4], int j0, const
     }
 }
 
+// Mask a query-major (16 x kN) score tile at rows i16.., keys j0..; rows past seqlen_q see
+// nothing. Row ranges are computed here, only for tiles that need masking, rather than held in
+// registers across the loop.
+template <int kN>
+__device__ __forceinline__ void mask_tile_qmajor(float (&s)[kN / 8][4], const FwdParams& p, int i16, int j0,
+                                                 int lane) {
+  ColRange rows[2];
+#pragma unroll
+  for (int hr = 0; hr < 2; ++hr) {
+    const int row = i16 + lane / 4 + 8 * hr;
+    rows[hr] = row < p.seqlen_q
+                   ? visible_cols(row, p.seqlen_q, p.seqlen_k, p.window_size_left, p.window_size_right)
+                   : ColRange{0, 0};
+  }
+  mask_qmajor<kN>(s, j0, rows, lane);
+}
+
 // Whether a whole (rows [i0, i1), keys [j0, j1)) tile is visible, so masking can be skipped.
 __device__ __forceinline__ bool tile_fully_visible(const FwdParams& p, int i0, int i1, int j0, int j1) {
   const ColRange first = visible_cols(i0, p.seqlen_q, p.seqlen_k, p.window_size_left, p.window_size_right);

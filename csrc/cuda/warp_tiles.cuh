@@ -98,6 +98,38 @@ __device__ __forceinline__ void gemm_smem(float (&acc)[kMT][kN / 8][4], const El
   }
 }
 
+// Two independent products of the same shape and layouts, c0 += A0 B0 and c1 += A1 B1 (as
+// gemm_smem), interleaved step by step: twice the independent mma chains hide the tensor pipe's
+// latency better than two gemm_smem calls in a row.
+template <typename Elem, int kMT, int kN, int kK, int kStrideA, int kStrideB, bool kATrans, bool kBKN>
+__device__ __forceinline__ void gemm_smem_pair(float (&c0)[kMT][kN / 8][4], const Elem* sA0, const Elem* sB0,
+                                               float (&c1)[kMT][kN / 8][4], const Elem* sA1, const Elem* sB1,
+                                               int lane) {
+  constexpr int kE = int(sizeof(Elem));
+#pragma unroll
+  for (int kk = 0; kk < kK / 16; ++kk) {
+    uint32_t a0[kMT][4], a1[kMT][4];
+#pragma unroll
+    for (int mt = 0; mt < kMT; ++mt) {
+      load_a<kATrans>(a0[mt], sA0, kStrideA * kE, mt * 16, kk * 16, kE, lane);
+      load_a<kATrans>(a1[mt], sA1, kStrideA * kE, mt * 16, kk * 16, kE, lane);
+    }
+#pragma unroll
+    for (int nn = 0; nn < kN / 16; ++nn) {
+      uint32_t b0[4], b1[4];
+      load_b<kBKN>(b0, sB0, kStrideB * kE, nn * 16, kk * 16, kE, lane);
+      load_b<kBKN>(b1, sB1, kStrideB * kE, nn * 16, kk * 16, kE, lane);
+#pragma unroll
+      for (int mt = 0; mt < kMT; ++mt) {
+        mma_16816<Elem>(c0[mt][2 * nn], a0[mt], b0[0], b0[1]);
+        mma_16816<Elem>(c1[mt][2 * nn], a1[mt], b1[0], b1[1]);
+        mma_16816<Elem>(c0[mt][2 * nn + 1], a0[mt], b0[2], b0[3]);
+        mma_16816<Elem>(c1[mt][2 * nn + 1], a1[mt], b1[2], b1[3]);
+      }
+    }
+  }
+}
+
 // acc[mt] += A_mt * B^T, A row-major and B^T stored as kN rows of kK elements (S = Q K^T).
 template <typename Elem, int kMT, int kN, int kK, int kStride>
 __device__ __forceinline__ void gemm_ss(float (&acc)[kMT][kN / 8][4], const Elem* sA, const Elem* sB, int lane) {
