@@ -122,10 +122,11 @@ def main():
                         try:
                             t_fwd, t_fb, peak = measure(impl, b, s, h, d, DTYPES[dt], causal)
                             row.update(fwd_ms=t_fwd, bwd_ms=t_fb - t_fwd, peak_mb=peak / 2**20,
-                                       fwd_tflops=flops / t_fwd / 1e9, bwd_tflops=2.5 * flops / (t_fb - t_fwd) / 1e9)
+                                       fwd_tflops=flops / t_fwd / 1e9, bwd_tflops=2.5 * flops / (t_fb - t_fwd) / 1e9,
+                                       fwdbwd_tflops=3.5 * flops / t_fb / 1e9)
                         except RuntimeError as e:  # a backend that does not take this shape
                             row.update(fwd_ms=None, bwd_ms=None, peak_mb=None, fwd_tflops=None, bwd_tflops=None,
-                                       error=str(e).splitlines()[0][:200])
+                                       fwdbwd_tflops=None, error=str(e).splitlines()[0][:200])
                         rows.append(row)
                         torch.cuda.empty_cache()
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)

@@ -1,6 +1,7 @@
-// The backward's helper kernels: the pre-pass D = rowsum(dO * O), the conversion of that accumulator to dQ, and the
-// deterministic dQ kernel (one CTA per query block, no atomics: it recomputes P and dS and
-// accumulates dQ = dS K in a fixed order). The main kernel is in flash_bwd_dkdv_kernel.cuh.
+// The backward's helper kernels: the pre-pass D = rowsum(dO * O), the conversion of the atomic
+// mode's float32 dQ accumulator to dQ, and the deterministic dQ kernel (one CTA per query block,
+// no atomics: it recomputes P and dS and accumulates dQ = dS K in a fixed order). The main kernel
+// is in flash_bwd_dkdv_kernel.cuh.
 #pragma once
 
 #include "flash_fwd_kernel.cuh"

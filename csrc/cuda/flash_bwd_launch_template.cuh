@@ -12,13 +12,19 @@ namespace flash::cuda {
 
 // Backward tiles (flash_bwd_dkdv_kernel.cuh): 8 warps; 128 queries per step up to head dim 64, 64
 // above; 128 keys per CTA up to head dim 128 and 64 above, where the dK and dV accumulators
-// (kBlockN x d each, spread over the 8 warps) would not fit in registers. The warp grids keep every warp tile's columns a
-// multiple of 16; the second Q buffer is dropped where shared memory would exceed sm_80's limit.
+// (kBlockN x d each, spread over the 8 warps) would not fit in registers. The warp grids keep
+// every warp tile's columns a multiple of 16; the second Q buffer is dropped where shared memory
+// would exceed sm_80's 163 KB.
 template <typename Elem, int kHeadDim, bool kDoDQ>
 using BwdConfig =
     BwdTraits<Elem, kHeadDim, (kHeadDim <= 64 ? 128 : 64), (kHeadDim <= 128 ? 128 : 64), 8, 2,
               (kHeadDim == 160 || kHeadDim == 224 ? 4 : kHeadDim <= 128 ? 4 : 2),
               (kHeadDim == 128 || kHeadDim == 192 || kHeadDim == 256 ? 2 : 4), (kHeadDim <= 192 ? 2 : 1), kDoDQ>;
+
+// GPUs that grant less (sm_86 / sm_89: 99 KB) run head dims up to 128 on 64 x 64 tiles with one
+// Q buffer (88 KB at head dim 128) and the dQ kernel; larger head dims need more than they have.
+template <typename Elem, int kHeadDim>
+using BwdSmallConfig = BwdTraits<Elem, kHeadDim, 64, 64, 8, 2, 4, 4, 1, false>;
 
 template <typename Elem, int kHeadDim>
 void run_mha_bwd_(BwdParams& p, cudaStream_t stream) {
@@ -27,7 +33,9 @@ void run_mha_bwd_(BwdParams& p, cudaStream_t stream) {
   flash_bwd_dot_do_o_kernel<Elem><<<unsigned((rows * 32 + 255) / 256), 256, 0, stream>>>(p);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   const auto main_grid = [&](int block_n) { return dim3((p.seqlen_k + block_n - 1) / block_n, p.h, p.b); };
-  if (p.dq_accum_ptr != nullptr) {  // dQ by atomics into the zeroed accumulator of dq_accum_shape()
+  const int smem = smem_per_block_optin();
+  if (p.dq_accum_ptr != nullptr && BwdConfig<Elem, kHeadDim, true>::kSmemBytes <= smem) {
+    // dQ by atomics into the zeroed accumulator of dq_accum_shape()
     using T = BwdConfig<Elem, kHeadDim, true>;
     static_assert(kDqAccumRowPad % T::kBlockM == 0, "dq_accum_shape() pads rows to the main kernel's query block");
     if (p.p_dropout > 0.f) launch<T>(&flash_bwd_dkdv_kernel<T, true>, main_grid(T::kBlockN), p, stream);
@@ -37,10 +45,17 @@ void run_mha_bwd_(BwdParams& p, cudaStream_t stream) {
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     return;
   }
-  // Deterministic: dQ from its own kernel, forward-shaped (two 16-row tiles per warp up to 128).
-  // One main-kernel instantiation for both dropout settings keeps the build shorter.
+  // Deterministic (or a GPU short of shared memory): dQ from its own kernel, forward-shaped (two
+  // 16-row tiles per warp up to 128). One main-kernel instantiation for both dropout settings
+  // keeps the build shorter.
   using T = BwdConfig<Elem, kHeadDim, false>;
-  launch<T>(&flash_bwd_dkdv_kernel<T, true>, main_grid(T::kBlockN), p, stream);
+  if constexpr (kHeadDim <= 128) {
+    using TS = BwdSmallConfig<Elem, kHeadDim>;
+    if (T::kSmemBytes > smem) launch<TS>(&flash_bwd_dkdv_kernel<TS, true>, main_grid(TS::kBlockN), p, stream);
+    else launch<T>(&flash_bwd_dkdv_kernel<T, true>, main_grid(T::kBlockN), p, stream);
+  } else {
+    launch<T>(&flash_bwd_dkdv_kernel<T, true>, main_grid(T::kBlockN), p, stream);
+  }
   using TQ = BwdQTraits<Elem, kHeadDim, (kHeadDim <= 128 ? 128 : 64), 32, (kHeadDim <= 128 ? 2 : 1)>;
   const dim3 grid_q((p.seqlen_q + TQ::kBlockM - 1) / TQ::kBlockM, p.h, p.b);
   launch<TQ>(&flash_bwd_dq_kernel<TQ>, grid_q, p, stream);
