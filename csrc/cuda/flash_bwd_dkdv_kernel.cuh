@@ -65,8 +65,8 @@ __global__ void __launch_bounds__(T::kNThreads, 1) flash_bwd_dkdv_kernel(const B
   const Elem* dout = static_cast<const Elem*>(p.do_ptr) + b * p.do_batch_stride + h * p.do_head_stride;
   const float* lse = p.softmax_lse_ptr + int64_t(hp.bh) * p.seqlen_q;
   const float* dsum = p.dsoftmax_sum_ptr + int64_t(hp.bh) * p.seqlen_q;
-  // dQ accumulator: (batch, h, rows padded to kM, kD) as in dq_accum_shape(); this thread's
-  // first element, relative to the query block.
+  // dQ accumulator of this (batch, head): rows padded to kDqAccumRowPad, kD floats each, as
+  // dq_accum_shape() lays it out.
   constexpr int kPad = kDqAccumRowPad;
   float* dq_accum = T::kDoDQ ? p.dq_accum_ptr + int64_t(hp.bh) * ((p.seqlen_q + kPad - 1) / kPad * kPad) * kD : nullptr;
   const bool dropout = kDropout && p.p_dropout > 0.f;
@@ -105,11 +105,8 @@ __global__ void __launch_bounds__(T::kNThreads, 1) flash_bwd_dkdv_kernel(const B
   cp_async_commit();
 
   float dk[kMTKV][kDKV / 8][4], dv[kMTKV][kDKV / 8][4];
-#pragma unroll
-  for (int mt = 0; mt < kMTKV; ++mt) {
-    zero<kDKV>(dk[mt]);
-    zero<kDKV>(dv[mt]);
-  }
+  zero<kDKV>(dk);
+  zero<kDKV>(dv);
 
   for (int mb = mb_begin; mb < mb_end; ++mb) {
     const int i0 = mb * kM, stage = T::kQStages == 2 ? (mb - mb_begin) & 1 : 0;
@@ -123,11 +120,8 @@ __global__ void __launch_bounds__(T::kNThreads, 1) flash_bwd_dkdv_kernel(const B
     }
 
     float s[kMTS][kNS / 8][4], dp[kMTS][kNS / 8][4];
-#pragma unroll
-    for (int mt = 0; mt < kMTS; ++mt) {
-      zero<kNS>(s[mt]);
-      zero<kNS>(dp[mt]);
-    }
+    zero<kNS>(s);
+    zero<kNS>(dp);
     // S = Q K^T and dP = dO V^T
     gemm_smem_pair<Elem, kMTS, kNS, kD, kS, kS, false, false>(s, sQc + s_m0 * kS, sK + s_n0 * kS, dp, sdO + s_m0 * kS,
                                                              sV + s_n0 * kS, lane);
@@ -188,8 +182,7 @@ __global__ void __launch_bounds__(T::kNThreads, 1) flash_bwd_dkdv_kernel(const B
     }
     if constexpr (T::kDoDQ) {
       float dq[kMTQ][kDQ / 8][4];
-#pragma unroll
-      for (int mt = 0; mt < kMTQ; ++mt) zero<kDQ>(dq[mt]);
+      zero<kDQ>(dq);
       gemm_smem<Elem, kMTQ, kDQ, kN, kSP, kS, false, true>(dq, sdS + q_m0 * kSP, sK + q_d0, lane);  // dQ = dS K
       // Padded rows and columns receive exact zeros (their dS rows and K columns are zero), so
       // the adds need no bounds checks and their offsets are compile-time constants.

@@ -83,8 +83,7 @@ __global__ void __launch_bounds__(T::kNThreads) flash_bwd_dq_kernel(const BwdPar
   load_tile_async<kM, kD, T::kNThreads>(sdO, dout + m0 * p.do_row_stride, p.do_row_stride, p.seqlen_q - m0, p.d, tid);
 
   float dq[kMT][kD / 8][4];
-#pragma unroll
-  for (int mt = 0; mt < kMT; ++mt) zero<kD>(dq[mt]);
+  zero<kD>(dq);
   for (int nb = n_begin; nb < n_end; ++nb) {
     const int j0 = nb * kN;
     load_tile_async<kN, kD, T::kNThreads>(sK, hp.k + j0 * p.k_row_stride, p.k_row_stride, p.seqlen_k - j0, p.d, tid);
@@ -94,11 +93,8 @@ __global__ void __launch_bounds__(T::kNThreads) flash_bwd_dq_kernel(const BwdPar
     __syncthreads();
 
     float s[kMT][kN / 8][4], dp[kMT][kN / 8][4];
-#pragma unroll
-    for (int mt = 0; mt < kMT; ++mt) {
-      zero<kN>(s[mt]);
-      zero<kN>(dp[mt]);
-    }
+    zero<kN>(s);
+    zero<kN>(dp);
     // S = Q K^T and dP = dO V^T
     gemm_smem_pair<Elem, kMT, kN, kD, kS, kS, false, false>(s, sQ + warp_row * kS, sK, dp, sdO + warp_row * kS, sV,
                                                             lane);

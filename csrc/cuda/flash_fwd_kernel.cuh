@@ -68,7 +68,9 @@ __global__ void __launch_bounds__(T::kNThreads) flash_fwd_kernel(const FwdParams
   Elem* sK = sQ + T::kSmemQ;
   Elem* sV = sK + T::kSmemKV;
 
-  const int m0 = blockIdx.x * kM, h = blockIdx.y, b = blockIdx.z;
+  // Last query block first: under a causal mask it has the most keys, so the long blocks start
+  // early and the short ones fill the tail of the grid.
+  const int m0 = (gridDim.x - 1 - blockIdx.x) * kM, h = blockIdx.y, b = blockIdx.z;
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
   const HeadPtrs<Elem> hp = head_ptrs<Elem>(p, b, h);
   constexpr bool dropout = kDropout;
@@ -108,8 +110,7 @@ __global__ void __launch_bounds__(T::kNThreads) flash_fwd_kernel(const FwdParams
     cp_async_commit();
 
     float s[kMT][kN / 8][4];
-#pragma unroll
-    for (int mt = 0; mt < kMT; ++mt) zero<kN>(s[mt]);
+    zero<kN>(s);
     gemm_ss<Elem, kMT, kN, kD, kS>(s, sQ + warp_row * kS, sK, lane);
     const bool masked = !tile_fully_visible(p, m0, m0 + kM, j0, j0 + kN);
     if (masked)

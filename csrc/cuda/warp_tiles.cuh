@@ -203,4 +203,11 @@ __device__ __forceinline__ void zero(float (&acc)[kN / 8][4]) {
     for (int r = 0; r < 4; ++r) acc[n][r] = 0.f;
 }
 
+// kMT row tiles at once.
+template <int kN, int kMT>
+__device__ __forceinline__ void zero(float (&acc)[kMT][kN / 8][4]) {
+#pragma unroll
+  for (int mt = 0; mt < kMT; ++mt) zero<kN>(acc[mt]);
+}
+
 }  // namespace flash::cuda
