@@ -4,9 +4,11 @@ below 1.0. Usage: python3 benchmarks/compare.py results.json [--against fa2]"""
 
 import argparse
 import json
+import signal
 
 
 def main():
+    signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # quiet when piped into head
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("json", nargs="+")
     ap.add_argument("--against", default="fa2")

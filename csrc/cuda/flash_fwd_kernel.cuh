@@ -65,8 +65,8 @@ __global__ void __launch_bounds__(T::kNThreads) flash_fwd_kernel(const FwdParams
   constexpr int kD = T::kHeadDim, kM = T::kBlockM, kN = T::kBlockN, kS = T::kStride, kMT = T::kMTiles;
   extern __shared__ __align__(16) char smem_raw[];
   Elem* sQ = reinterpret_cast<Elem*>(smem_raw);
-  Elem* sK = sQ + T::kSmemQ;
-  Elem* sV = sK + T::kSmemKV;
+  Elem* sK = sQ + T::kSmemQ;                   // kKVStages buffers
+  Elem* sV = sK + T::kKVStages * T::kSmemKV;  // kKVStages buffers
 
   // Last query block first: under a causal mask it has the most keys, so the long blocks start
   // early and the short ones fill the tail of the grid.
@@ -96,33 +96,51 @@ __global__ void __launch_bounds__(T::kNThreads) flash_fwd_kernel(const FwdParams
     l[mt][0] = l[mt][1] = 0.f;
   }
 
+  const auto load_k = [&](int nb, Elem* dst) {
+    load_tile_async<kN, kD, T::kNThreads>(dst, hp.k + int64_t(nb) * kN * p.k_row_stride, p.k_row_stride,
+                                          p.seqlen_k - nb * kN, p.d, tid);
+  };
+  const auto load_v = [&](int nb, Elem* dst) {
+    load_tile_async<kN, kD, T::kNThreads>(dst, hp.v + int64_t(nb) * kN * p.v_row_stride, p.v_row_stride,
+                                          p.seqlen_k - nb * kN, p.d, tid);
+  };
   load_tile_async<kM, kD, T::kNThreads>(sQ, hp.q + m0 * p.q_row_stride, p.q_row_stride, p.seqlen_q - m0, p.d, tid);
-  if (n_begin < n_end)
-    load_tile_async<kN, kD, T::kNThreads>(sK, hp.k + int64_t(n_begin) * kN * p.k_row_stride, p.k_row_stride,
-                                          p.seqlen_k - n_begin * kN, p.d, tid);
+  if (n_begin < n_end) {
+    load_k(n_begin, sK);
+    if (T::kKVStages == 2) load_v(n_begin, sV);
+  }
   cp_async_commit();
 
   for (int nb = n_begin; nb < n_end; ++nb) {
-    const int j0 = nb * kN;
+    const int j0 = nb * kN, cur = T::kKVStages == 2 ? (nb - n_begin) & 1 : 0;
+    Elem* sKc = sK + cur * T::kSmemKV;
+    Elem* sVc = sV + cur * T::kSmemKV;
     cp_async_wait<0>();
-    __syncthreads();  // K_j (and Q) are in; every warp is done with the previous V
-    load_tile_async<kN, kD, T::kNThreads>(sV, hp.v + j0 * p.v_row_stride, p.v_row_stride, p.seqlen_k - j0, p.d, tid);
-    cp_async_commit();
+    __syncthreads();  // K_j (and Q; V_j too with two stages) are in; every warp is done with the previous V
+    if (T::kKVStages == 1) {
+      load_v(nb, sV);
+      cp_async_commit();
+    } else if (nb + 1 < n_end) {
+      load_k(nb + 1, sK + (cur ^ 1) * T::kSmemKV);
+      load_v(nb + 1, sV + (cur ^ 1) * T::kSmemKV);
+      cp_async_commit();
+    }
 
     float s[kMT][kN / 8][4];
     zero<kN>(s);
-    gemm_ss<Elem, kMT, kN, kD, kS>(s, sQ + warp_row * kS, sK, lane);
+    gemm_ss<Elem, kMT, kN, kD, kS>(s, sQ + warp_row * kS, sKc, lane);
     const bool masked = !tile_fully_visible(p, m0, m0 + kM, j0, j0 + kN);
     if (masked)
 #pragma unroll
       for (int mt = 0; mt < kMT; ++mt) mask_tile_qmajor<kN>(s[mt], p, m0 + warp_row + mt * 16, j0, lane);
 
-    cp_async_wait<0>();
-    __syncthreads();  // V_j is in; every warp is done with K_j
-    if (nb + 1 < n_end) {
-      load_tile_async<kN, kD, T::kNThreads>(sK, hp.k + (j0 + kN) * p.k_row_stride, p.k_row_stride,
-                                            p.seqlen_k - j0 - kN, p.d, tid);
-      cp_async_commit();
+    if (T::kKVStages == 1) {
+      cp_async_wait<0>();
+      __syncthreads();  // V_j is in; every warp is done with K_j
+      if (nb + 1 < n_end) {
+        load_k(nb + 1, sK);
+        cp_async_commit();
+      }
     }
 
     uint32_t a[kMT][kN / 16][4];
@@ -132,7 +150,7 @@ __global__ void __launch_bounds__(T::kNThreads) flash_fwd_kernel(const FwdParams
       if (dropout) dropout_qmajor<kN>(s[mt], ds, hp.bh, m0 + warp_row + mt * 16, j0, lane);
       acc_to_a<Elem, kN>(a[mt], s[mt]);
     }
-    gemm_rs<Elem, kMT, kN, kD, kS>(acc, a, sV, lane);
+    gemm_rs<Elem, kMT, kN, kD, kS>(acc, a, sVc, lane);
   }
 
   Elem* o = static_cast<Elem*>(p.o_ptr) + b * p.o_batch_stride + h * p.o_head_stride;

@@ -10,17 +10,25 @@ namespace flash::cuda {
 
 // Forward tiles: 64 keys per step; up to head dim 128, 128 query rows on 4 warps of two 16-row
 // tiles each; above that 64 rows on 4 warps of one tile (the output accumulator alone takes 128
-// registers at head dim 256).
-template <typename Elem, int kHeadDim>
-using FwdConfig = FwdTraits<Elem, kHeadDim, (kHeadDim <= 128 ? 128 : 64), 64, (kHeadDim <= 128 ? 2 : 1)>;
+// registers at head dim 256). kKVStages = 2 (double-buffered K/V) where two CTAs still fit on
+// an SM: up to head dim 128, without dropout, on sm_90.
+template <typename Elem, int kHeadDim, int kKVStages = 1>
+using FwdConfig = FwdTraits<Elem, kHeadDim, (kHeadDim <= 128 ? 128 : 64), 64, (kHeadDim <= 128 ? 2 : 1), kKVStages>;
 
 template <typename Elem, int kHeadDim>
 void run_mha_fwd_(FwdParams& p, cudaStream_t stream) {
   using T = FwdConfig<Elem, kHeadDim>;
   const dim3 grid((p.seqlen_q + T::kBlockM - 1) / T::kBlockM, p.h, p.b);
   if (grid.x == 0 || p.b == 0) return;
-  if (p.p_dropout > 0.f) launch<T>(&flash_fwd_kernel<T, true>, grid, p, stream);
-  else launch<T>(&flash_fwd_kernel<T, false>, grid, p, stream);
+  if (p.p_dropout > 0.f) {
+    launch<T>(&flash_fwd_kernel<T, true>, grid, p, stream);
+  } else if constexpr (kHeadDim <= 128) {
+    using T2 = FwdConfig<Elem, kHeadDim, 2>;
+    if (two_ctas_per_sm_fit(T2::kSmemBytes)) launch<T2>(&flash_fwd_kernel<T2, false>, grid, p, stream);
+    else launch<T>(&flash_fwd_kernel<T, false>, grid, p, stream);
+  } else {
+    launch<T>(&flash_fwd_kernel<T, false>, grid, p, stream);
+  }
   if (p.p_ptr != nullptr) launch<T>(&flash_fwd_probs_kernel<T>, grid, p, stream);
 }
 

@@ -6,15 +6,17 @@
 namespace flash::cuda {
 
 // Forward: each warp owns kMTiles row tiles of 16 queries, so each K/V fragment it loads from
-// shared memory feeds kMTiles mma instructions.
-template <typename Elem_, int kHeadDim_, int kBlockM_, int kBlockN_, int kMTiles_ = 1>
+// shared memory feeds kMTiles mma instructions. kKVStages = 2 double-buffers K and V: the next
+// pair loads during the whole of this step, with one barrier per step.
+template <typename Elem_, int kHeadDim_, int kBlockM_, int kBlockN_, int kMTiles_ = 1, int kKVStages_ = 1>
 struct FwdTraits {
   using Elem = Elem_;
   static constexpr int kHeadDim = kHeadDim_, kBlockM = kBlockM_, kBlockN = kBlockN_, kMTiles = kMTiles_;
+  static constexpr int kKVStages = kKVStages_;
   static constexpr int kNWarps = kBlockM / (16 * kMTiles), kNThreads = kNWarps * 32;
   static constexpr int kStride = Tile<kHeadDim>::kStride;
   static constexpr int kSmemQ = kBlockM * kStride, kSmemKV = kBlockN * kStride;
-  static constexpr int kSmemBytes = (kSmemQ + 2 * kSmemKV) * int(sizeof(Elem));
+  static constexpr int kSmemBytes = (kSmemQ + 2 * kKVStages * kSmemKV) * int(sizeof(Elem));
   static_assert(kHeadDim % 32 == 0 && kBlockM % 16 == 0 && kBlockN % 16 == 0, "tile shapes");
 };
 

@@ -21,6 +21,16 @@ inline int smem_per_block_optin() {
   return cap != nullptr ? std::min(optin, std::atoi(cap)) : optin;
 }
 
+// Whether two CTAs needing `bytes` of shared memory each fit on one SM (sm_90: yes up to about
+// 113 KB; sm_80 and sm_86/sm_89 have 164 KB / 100 KB per SM).
+inline bool two_ctas_per_sm_fit(int bytes) {
+  int device = 0, per_sm = 0;
+  C10_CUDA_CHECK(cudaGetDevice(&device));
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, device));
+  constexpr int kReservedPerCta = 1024;  // what the driver keeps per block
+  return bytes <= smem_per_block_optin() && 2 * (bytes + kReservedPerCta) <= per_sm;
+}
+
 template <typename Kernel>
 void set_smem_limit(Kernel kernel, int bytes) {
   if (bytes <= 48 * 1024) return;
