@@ -6,7 +6,8 @@ torch.ops.load_library, so one build serves every Python version (abi3).
 
 Environment:
   FLASH_ATTN_CUDA=0|1          force the CPU-only or the CUDA build (default: auto-detect)
-  FLASH_ATTN_CUDA_ARCHS="80;90" SM architectures to compile for
+  FLASH_ATTN_CUDA_ARCHS="80;90a" SM architectures to compile for; with 90a (Hopper's
+                               wgmma) the sm90 kernels in csrc/hopper/ are built too
   FLASH_ATTN_CUDA_HDIMS="64,128" a subset of the kernel head dims (default: all)
   FLASH_ATTN_CUDA_DTYPES="bf16"  a subset of fp16,bf16 (default: both)
   FLASH_ATTN_CPU_FLAGS          extra C++ flags for the CPU kernels (default on x86-64: AVX2+FMA)
@@ -51,15 +52,20 @@ def _cpu_flags() -> list:
     return []
 
 
+def _archs() -> list:
+    archs = os.environ.get("FLASH_ATTN_CUDA_ARCHS", "80;90a")
+    return [a.strip() for a in archs.replace(",", ";").split(";") if a.strip()]
+
+
 def _arch_flags() -> list:
-    archs = os.environ.get("FLASH_ATTN_CUDA_ARCHS", "80;90")
     flags = []
-    for arch in filter(None, (a.strip() for a in archs.replace(",", ";").split(";"))):
+    for arch in _archs():
         flags += ["-gencode", f"arch=compute_{arch},code=sm_{arch}"]
     return flags
 
 
 HEAD_DIMS = [32, 64, 96, 128, 160, 192, 224, 256]  # csrc/cuda/flash_launch.h: kHeadDims
+SM90_BWD_HEAD_DIMS = [64, 128]  # csrc/cuda/flash_launch.h: has_sm90_bwd
 DTYPES = ["fp16", "bf16"]
 
 
@@ -78,11 +84,16 @@ def _cuda_instantiations():
     """The generated kernel files to compile, and the masks that tell the dispatcher which exist."""
     hdims = _subset("FLASH_ATTN_CUDA_HDIMS", HEAD_DIMS, int)
     dtypes = _subset("FLASH_ATTN_CUDA_DTYPES", DTYPES, str.strip)
-    files = [f"csrc/cuda/instantiations/flash_{direction}_hdim{h}_{dt}.cu"
-             for direction in ("fwd", "bwd") for dt in dtypes for h in hdims]
+    families = [("cuda/instantiations/flash_fwd", hdims), ("cuda/instantiations/flash_bwd", hdims)]
+    macros = []
+    if "90a" in _archs():  # wgmma needs the arch-specific target
+        families += [("hopper/instantiations/flash_fwd_sm90", hdims),
+                     ("hopper/instantiations/flash_bwd_sm90", [h for h in hdims if h in SM90_BWD_HEAD_DIMS])]
+        macros.append(("FLASH_ATTN_WITH_SM90", None))
+    files = [f"csrc/{family}_hdim{h}_{dt}.cu" for family, dims in families for dt in dtypes for h in dims]
     hdim_mask = sum(1 << HEAD_DIMS.index(h) for h in hdims)
     dtype_mask = sum(1 << DTYPES.index(dt) for dt in dtypes)
-    return files, [("FLASH_ATTN_HDIM_MASK", str(hdim_mask)), ("FLASH_ATTN_DTYPE_MASK", str(dtype_mask))]
+    return files, macros + [("FLASH_ATTN_HDIM_MASK", str(hdim_mask)), ("FLASH_ATTN_DTYPE_MASK", str(dtype_mask))]
 
 
 def _extension():

@@ -5,6 +5,7 @@ Setup as in the flash-attn benchmarks: batch * seqlen = 16384 tokens, nheads * h
 FLOPs: fwd = 4 b h s^2 d (halved for causal), bwd = 2.5 x fwd. Times are medians of CUDA-event
 timings after warm-up; bwd = (fwd+bwd) - fwd. Peak memory is what fwd+bwd allocates beyond the
 inputs. Writes JSON (--out) and a PNG plot of TFLOP/s against seqlen (--plot).
+Impl "ours_portable" is ours with FLASH_ATTN_DISABLE_SM90=1: the sm80-style kernels on a Hopper GPU.
 """
 
 import argparse
@@ -26,7 +27,7 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def make_fn(impl, b, s, h, d, dtype, causal):
-    if impl == "ours":
+    if impl in ("ours", "ours_portable"):
         q, k, v = [torch.randn(b, s, h, d, device="cuda", dtype=dtype, requires_grad=True) for _ in range(3)]
         return (lambda: flash_attn_func(q, k, v, causal=causal)), (q, k, v)
     q, k, v = [torch.randn(b, h, s, d, device="cuda", dtype=dtype, requires_grad=True) for _ in range(3)]
@@ -52,6 +53,12 @@ def median_ms(fn, reps):
 
 
 def measure(impl, b, s, h, d, dtype, causal):
+    if impl == "ours_portable":
+        os.environ["FLASH_ATTN_DISABLE_SM90"] = "1"
+        try:
+            return measure("ours", b, s, h, d, dtype, causal)
+        finally:
+            del os.environ["FLASH_ATTN_DISABLE_SM90"]
     fwd, inputs = make_fn(impl, b, s, h, d, dtype, causal)
     dout = torch.randn_like(fwd())
 

@@ -116,6 +116,43 @@ def test_small_shared_memory_gpus():
     assert r.returncode == 0 and "1 passed" in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]
 
 
+def kernel_names(fn):
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return [e.name for e in prof.events()]
+
+
+@pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9),
+                    reason="Hopper (sm_90) only")
+def test_hopper_kernels_run_on_sm90(monkeypatch):
+    # Without dropout the forward runs the wgmma kernel, and so does the (non-deterministic)
+    # backward at head dims 64 and 128; FLASH_ATTN_DISABLE_SM90, dropout and deterministic=True
+    # select the portable ones.
+    for d, bwd_sm90 in ((64, True), (128, True), (96, False), (256, False)):
+        q, k, v = make(1, 300, 300, 2, 2, d, torch.bfloat16)
+        names = kernel_names(lambda: flash_attn_func(q, k, v).sum().backward())
+        assert any("flash_fwd_sm90_kernel" in n for n in names), names
+        assert any("flash_bwd_sm90_kernel" in n for n in names) == bwd_sm90, names
+    names = kernel_names(lambda: flash_attn_func(q, k, v, deterministic=True).sum().backward())
+    assert not any("flash_bwd_sm90_kernel" in n for n in names) and any("flash_bwd_dq_kernel" in n for n in names)
+    names = kernel_names(lambda: flash_attn_func(q, k, v, dropout_p=0.1).sum().backward())
+    assert not any("sm90" in n for n in names) and any("flash_fwd_kernel" in n for n in names)
+    monkeypatch.setenv("FLASH_ATTN_DISABLE_SM90", "1")
+    names = kernel_names(lambda: flash_attn_func(q, k, v).sum().backward())
+    assert not any("sm90" in n for n in names) and any("flash_fwd_kernel" in n for n in names)
+
+
+@pytest.mark.parametrize("d", HEAD_DIMS)
+@pytest.mark.parametrize("causal", [False, True])
+def test_portable_kernels_on_this_gpu(d, causal, monkeypatch):
+    # On Hopper the rest of the suite runs the sm90 kernels where they apply; this keeps the
+    # portable ones (what sm_80 and sm_86/sm_89 GPUs run) checked on the same GPU.
+    monkeypatch.setenv("FLASH_ATTN_DISABLE_SM90", "1")
+    check_against_reference(*make(2, 113, 257, 4, 2, d, torch.bfloat16), causal=causal)
+    check_against_reference(*make(1, 1000, 1000, 2, 1, d, torch.float16), causal=causal)
+
+
 def test_odd_head_dim_is_padded():
     check_against_reference(*make(2, 77, 99, 2, 1, 33, torch.float16), causal=True)
 

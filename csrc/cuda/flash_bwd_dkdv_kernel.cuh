@@ -43,6 +43,37 @@ __device__ __forceinline__ void atomic_add2(float* dst, float x, float y) {
 #endif
 }
 
+// Write one 16-key tile of the dK and dV accumulators (keys key16 + g and key16 + g + 8, columns
+// d0 + [0, kDK)), dK times softmax_scale. Without GQA they are final and written in the input
+// dtype; with GQA as float32 per-query-head partials, which the op layer sums over each group.
+template <typename Elem, int kDK>
+__device__ __forceinline__ void write_dk_dv_tile(const BwdParams& p, int b, int h, uint32_t bh, int key16, int d0,
+                                                 const float (&dk)[kDK / 8][4], const float (&dv)[kDK / 8][4],
+                                                 int lane) {
+  const int g = lane / 4, t = lane % 4;
+  Elem* dk_out = static_cast<Elem*>(p.dk_ptr) + b * p.dk_batch_stride + h * p.dk_head_stride;
+  Elem* dv_out = static_cast<Elem*>(p.dv_ptr) + b * p.dv_batch_stride + h * p.dv_head_stride;
+#pragma unroll
+  for (int hr = 0; hr < 2; ++hr) {
+    const int key = key16 + g + 8 * hr;
+    if (key >= p.seqlen_k) continue;
+    if (p.dk_accum_ptr == nullptr) {
+      store_acc_row<Elem, kDK>(dk_out + key * p.dk_row_stride + d0, dk, hr, p.scale_softmax, p.d - d0, lane);
+      store_acc_row<Elem, kDK>(dv_out + key * p.dv_row_stride + d0, dv, hr, 1.f, p.d - d0, lane);
+      continue;
+    }
+    const int64_t row_off = (int64_t(bh) * p.seqlen_k + key) * p.d;
+#pragma unroll
+    for (int nt = 0; nt < kDK / 8; ++nt) {
+      const int col = d0 + nt * 8 + 2 * t;
+      if (col >= p.d) continue;
+      *reinterpret_cast<float2*>(p.dk_accum_ptr + row_off + col) =
+          make_float2(dk[nt][2 * hr] * p.scale_softmax, dk[nt][2 * hr + 1] * p.scale_softmax);
+      *reinterpret_cast<float2*>(p.dv_accum_ptr + row_off + col) = make_float2(dv[nt][2 * hr], dv[nt][2 * hr + 1]);
+    }
+  }
+}
+
 // kDropout = false compiles the dropout code out (p.p_dropout must be 0); true checks p.p_dropout.
 template <typename T, bool kDropout>
 __global__ void __launch_bounds__(T::kNThreads, 1) flash_bwd_dkdv_kernel(const BwdParams p) {
@@ -197,34 +228,9 @@ __global__ void __launch_bounds__(T::kNThreads, 1) flash_bwd_dkdv_kernel(const B
     }
   }
 
-  // Without GQA dK/dV are final: write them in the input dtype. With GQA write per-query-head
-  // float32 partials; the op layer sums each group.
-  const int64_t head_off = int64_t(hp.bh) * p.seqlen_k * p.d;
-  Elem* dk_out = static_cast<Elem*>(p.dk_ptr) + b * p.dk_batch_stride + h * p.dk_head_stride;
-  Elem* dv_out = static_cast<Elem*>(p.dv_ptr) + b * p.dv_batch_stride + h * p.dv_head_stride;
-  const bool direct = p.dk_accum_ptr == nullptr;
 #pragma unroll
   for (int mt = 0; mt < kMTKV; ++mt)
-#pragma unroll
-    for (int hr = 0; hr < 2; ++hr) {
-      const int key = j0 + kv_n0 + mt * 16 + g + 8 * hr;
-      if (key >= p.seqlen_k) continue;
-      if (direct) {
-        store_acc_row<Elem, kDKV>(dk_out + key * p.dk_row_stride + kv_d0, dk[mt], hr, p.scale_softmax, p.d - kv_d0,
-                                  lane);
-        store_acc_row<Elem, kDKV>(dv_out + key * p.dv_row_stride + kv_d0, dv[mt], hr, 1.f, p.d - kv_d0, lane);
-        continue;
-      }
-#pragma unroll
-      for (int nt = 0; nt < kDKV / 8; ++nt) {
-        const int col = kv_d0 + nt * 8 + 2 * t;
-        if (col >= p.d) continue;
-        const int64_t off = head_off + int64_t(key) * p.d + col;
-        *reinterpret_cast<float2*>(p.dk_accum_ptr + off) =
-            make_float2(dk[mt][nt][2 * hr] * p.scale_softmax, dk[mt][nt][2 * hr + 1] * p.scale_softmax);
-        *reinterpret_cast<float2*>(p.dv_accum_ptr + off) = make_float2(dv[mt][nt][2 * hr], dv[mt][nt][2 * hr + 1]);
-      }
-    }
+    write_dk_dv_tile<Elem, kDKV>(p, b, h, hp.bh, j0 + kv_n0 + mt * 16, kv_d0, dk[mt], dv[mt], lane);
 }
 
 }  // namespace flash::cuda

@@ -1,5 +1,5 @@
-// Backward launcher: the D pre-pass, the main kernel (with atomic dQ, or with the dQ kernel when
-// deterministic) and the dQ conversion. Instantiated once per (dtype, head dim) by the generated
+// Backward launcher: the D pre-pass, the main kernel (the sm90 one where it applies; with atomic
+// dQ, or with the dQ kernel when deterministic) and the dQ conversion. Instantiated once per (dtype, head dim) by the generated
 // files in instantiations/.
 #pragma once
 
@@ -26,6 +26,17 @@ using BwdConfig =
 template <typename Elem, int kHeadDim>
 using BwdSmallConfig = BwdTraits<Elem, kHeadDim, 64, 64, 8, 2, 4, 4, 1, false>;
 
+// The sm90 main kernel where it applies (a build with FLASH_ATTN_WITH_SM90; see csrc/hopper/).
+template <typename Elem, int kHeadDim>
+bool try_sm90_bwd(BwdParams& p, cudaStream_t stream) {
+#ifdef FLASH_ATTN_WITH_SM90
+  if constexpr (hopper::has_sm90_bwd<kHeadDim>) return hopper::run_mha_bwd_sm90_<Elem, kHeadDim>(p, stream);
+  return false;
+#else
+  return false;
+#endif
+}
+
 template <typename Elem, int kHeadDim>
 void run_mha_bwd_(BwdParams& p, cudaStream_t stream) {
   if (p.b == 0 || p.seqlen_q == 0 || p.seqlen_k == 0) return;  // the op layer zero-fills
@@ -34,16 +45,23 @@ void run_mha_bwd_(BwdParams& p, cudaStream_t stream) {
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   const auto main_grid = [&](int block_n) { return dim3((p.seqlen_k + block_n - 1) / block_n, p.h, p.b); };
   const int smem = smem_per_block_optin();
-  if (p.dq_accum_ptr != nullptr && BwdConfig<Elem, kHeadDim, true>::kSmemBytes <= smem) {
-    // dQ by atomics into the zeroed accumulator of dq_accum_shape()
+  if (p.dq_accum_ptr != nullptr) {
+    // dQ by atomics into the zeroed accumulator of dq_accum_shape(): the sm90 kernel where it
+    // applies, else the portable one where it fits; then the conversion.
     using T = BwdConfig<Elem, kHeadDim, true>;
     static_assert(kDqAccumRowPad % T::kBlockM == 0, "dq_accum_shape() pads rows to the main kernel's query block");
-    if (p.p_dropout > 0.f) launch<T>(&flash_bwd_dkdv_kernel<T, true>, main_grid(T::kBlockN), p, stream);
-    else launch<T>(&flash_bwd_dkdv_kernel<T, false>, main_grid(T::kBlockN), p, stream);
-    const int64_t quads = rows * p.d / 4;
-    flash_bwd_convert_dq_kernel<Elem, kHeadDim><<<unsigned((quads + 255) / 256), 256, 0, stream>>>(p);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-    return;
+    bool ran = try_sm90_bwd<Elem, kHeadDim>(p, stream);
+    if (!ran && T::kSmemBytes <= smem) {
+      if (p.p_dropout > 0.f) launch<T>(&flash_bwd_dkdv_kernel<T, true>, main_grid(T::kBlockN), p, stream);
+      else launch<T>(&flash_bwd_dkdv_kernel<T, false>, main_grid(T::kBlockN), p, stream);
+      ran = true;
+    }
+    if (ran) {
+      const int64_t quads = rows * p.d / 4;
+      flash_bwd_convert_dq_kernel<Elem, kHeadDim><<<unsigned((quads + 255) / 256), 256, 0, stream>>>(p);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+      return;
+    }
   }
   // Deterministic (or a GPU short of shared memory): dQ from its own kernel, forward-shaped (two
   // 16-row tiles per warp up to 128). One main-kernel instantiation for both dropout settings

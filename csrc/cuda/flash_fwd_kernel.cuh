@@ -58,6 +58,23 @@ __device__ __forceinline__ void dropout_qmajor(float (&s)[kN / 8][4], const Drop
   }
 }
 
+// Normalise the thread's two rows of a 16-row output tile (row0 = the tile's first row + g, and
+// row0 + 8) by their softmax sums and write them and their logsumexp (-inf where nothing was seen).
+template <typename Elem, int kD>
+__device__ __forceinline__ void write_o_lse(const FwdParams& p, Elem* o, uint32_t bh, int row0,
+                                            const float (&acc)[kD / 8][4], const float (&m)[2], const float (&l)[2],
+                                            int lane) {
+#pragma unroll
+  for (int hr = 0; hr < 2; ++hr) {
+    const int row = row0 + 8 * hr;
+    const float lsum = quad_sum(l[hr]);
+    if (row >= p.seqlen_q) continue;
+    store_acc_row<Elem, kD>(o + row * p.o_row_stride, acc, hr, lsum > 0.f ? p.rp_dropout / lsum : 0.f, p.d, lane);
+    if (lane % 4 == 0)
+      p.softmax_lse_ptr[int64_t(bh) * p.seqlen_q + row] = lsum > 0.f ? (m[hr] + __log2f(lsum)) * kLn2 : kNegInf;
+  }
+}
+
 // kDropout: a separate instantiation, so the common path carries no Philox code or registers.
 template <typename T, bool kDropout>
 __global__ void __launch_bounds__(T::kNThreads) flash_fwd_kernel(const FwdParams p) {
@@ -71,7 +88,7 @@ __global__ void __launch_bounds__(T::kNThreads) flash_fwd_kernel(const FwdParams
   // Last query block first: under a causal mask it has the most keys, so the long blocks start
   // early and the short ones fill the tail of the grid.
   const int m0 = (gridDim.x - 1 - blockIdx.x) * kM, h = blockIdx.y, b = blockIdx.z;
-  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4;
   const HeadPtrs<Elem> hp = head_ptrs<Elem>(p, b, h);
   constexpr bool dropout = kDropout;
   DropoutState ds{};
@@ -155,18 +172,7 @@ __global__ void __launch_bounds__(T::kNThreads) flash_fwd_kernel(const FwdParams
 
   Elem* o = static_cast<Elem*>(p.o_ptr) + b * p.o_batch_stride + h * p.o_head_stride;
 #pragma unroll
-  for (int mt = 0; mt < kMT; ++mt)
-#pragma unroll
-    for (int hr = 0; hr < 2; ++hr) {
-      const int row = m0 + warp_row + mt * 16 + g + 8 * hr;
-      const float lsum = quad_sum(l[mt][hr]);
-      if (row >= p.seqlen_q) continue;
-      store_acc_row<Elem, kD>(o + row * p.o_row_stride, acc[mt], hr, lsum > 0.f ? p.rp_dropout / lsum : 0.f, p.d,
-                              lane);
-      if (t == 0)
-        p.softmax_lse_ptr[int64_t(hp.bh) * p.seqlen_q + row] =
-            lsum > 0.f ? (m[mt][hr] + __log2f(lsum)) * kLn2 : kNegInf;
-    }
+  for (int mt = 0; mt < kMT; ++mt) write_o_lse<Elem, kD>(p, o, hp.bh, m0 + warp_row + mt * 16 + g, acc[mt], m[mt], l[mt], lane);
 }
 
 // return_attn_probs: once the logsumexp is known, recompute each score tile and write the exact

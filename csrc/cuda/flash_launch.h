@@ -39,3 +39,14 @@ template <typename Elem, int kHeadDim>
 void run_mha_bwd_(BwdParams& params, cudaStream_t stream);
 
 }  // namespace flash::cuda
+
+namespace flash::hopper {
+// The sm90 kernels (csrc/hopper/, built when FLASH_ATTN_WITH_SM90 is defined): each runs and
+// returns true where it applies, else returns false and the portable kernel runs.
+template <typename Elem, int kHeadDim>
+bool run_mha_fwd_sm90_(FwdParams& params, cudaStream_t stream);
+template <typename Elem, int kHeadDim>
+bool run_mha_bwd_sm90_(BwdParams& params, cudaStream_t stream);  // head dims with has_sm90_bwd only
+template <int kHeadDim>
+inline constexpr bool has_sm90_bwd = kHeadDim == 64 || kHeadDim == 128;
+}  // namespace flash::hopper

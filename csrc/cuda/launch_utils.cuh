@@ -31,6 +31,17 @@ inline bool two_ctas_per_sm_fit(int bytes) {
   return bytes <= smem_per_block_optin() && 2 * (bytes + kReservedPerCta) <= per_sm;
 }
 
+// Whether the sm90 (wgmma) kernels may run: the current GPU is compute capability 9.x and
+// FLASH_ATTN_DISABLE_SM90 is unset or 0 (read on each call, so a process can compare both paths).
+inline bool sm90_path_enabled() {
+  const char* off = std::getenv("FLASH_ATTN_DISABLE_SM90");
+  if (off != nullptr && off[0] != '\0' && off[0] != '0') return false;
+  int device = 0, major = 0;
+  C10_CUDA_CHECK(cudaGetDevice(&device));
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+  return major == 9;
+}
+
 template <typename Kernel>
 void set_smem_limit(Kernel kernel, int bytes) {
   if (bytes <= 48 * 1024) return;

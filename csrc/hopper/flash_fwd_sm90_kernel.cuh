@@ -1,0 +1,90 @@
+// The sm90 forward kernel: the portable forward's algorithm (flash_fwd_kernel.cuh) with both
+// GEMMs on warpgroup MMAs. Each warpgroup owns 64 query rows; K and V tiles stream through
+// swizzled, double-buffered shared memory with cp.async (the next pair loads during the whole of
+// this step); S = Q K^T and O += P V run as wgmma, the online softmax in registers between them.
+// (Issuing S_j with P_{j-1} V_{j-1} so that the softmax overlaps the tensor cores, as
+// FlashAttention-3 does, measured slower here: benchmarks/NOTES.md.)
+#pragma once
+
+#include "../cuda/flash_fwd_kernel.cuh"
+#include "flash_fwd_sm90_traits.cuh"
+
+namespace flash::hopper {
+
+template <typename T>
+__global__ void __launch_bounds__(T::kNThreads, 1) flash_fwd_sm90_kernel(const FwdParams p) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  using namespace cute;
+  using Elem = typename T::Elem;
+  using CElem = typename T::CElem;
+  using cuda::cp_async_commit;
+  using cuda::cp_async_wait;
+  constexpr int kD = T::kHeadDim, kM = T::kBlockM, kN = T::kBlockN;
+  extern __shared__ char smem_raw[];
+  CElem* sq_ptr = aligned_smem<T::kSmemAlign, CElem>(smem_raw);
+  CElem* sk_ptr = sq_ptr + T::kSmemQ;
+  CElem* sv_ptr = sk_ptr + T::kSmemKV;
+  Tensor sQ = make_tensor(make_smem_ptr(sq_ptr), typename T::SmemLayoutQ{});
+  Tensor sK = make_tensor(make_smem_ptr(sk_ptr), typename T::SmemLayoutKV{});
+  Tensor sV = make_tensor(make_smem_ptr(sv_ptr), typename T::SmemLayoutKV{});
+  Tensor sVt = make_tensor(make_smem_ptr(sv_ptr), typename T::SmemLayoutVt{});
+
+  // Last query block first (see flash_fwd_kernel).
+  const int m0 = (gridDim.x - 1 - blockIdx.x) * kM, h = blockIdx.y, b = blockIdx.z;
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const int i16 = m0 + warp * 16;  // this warp's 16 query rows (warpgroup w: rows 64 w ..)
+  const cuda::HeadPtrs<Elem> hp = cuda::head_ptrs<Elem>(p, b, h);
+
+  typename T::TiledMmaS mma_s;
+  typename T::TiledMmaO mma_o;
+  auto thr_s = mma_s.get_thread_slice(tid);
+  auto thr_o = mma_o.get_thread_slice(tid);
+  Tensor tSrQ = thr_s.partition_fragment_A(sQ);   // descriptors, (MMA, MMA_M, MMA_K)
+  Tensor tSrK = thr_s.partition_fragment_B(sK);   // descriptors, (MMA, MMA_N, MMA_K, stage)
+  Tensor tOrVt = thr_o.partition_fragment_B(sVt); // descriptors, (MMA, MMA_N, MMA_K, stage)
+  Tensor tSrS = partition_fragment_C(mma_s, Shape<Int<kM>, Int<kN>>{});
+  Tensor tOrO = partition_fragment_C(mma_o, Shape<Int<kM>, Int<kD>>{});
+  Tensor tOrP = thr_o.partition_fragment_A(make_tensor(make_smem_ptr(sq_ptr), Layout<Shape<Int<kM>, Int<kN>>>{}));
+  float(&s)[kN / 8][4] = as_rows16<kN>(tSrS);
+  float(&acc)[kD / 8][4] = as_rows16<kD>(tOrO);
+
+  int n_begin, n_end;
+  cuda::key_block_range<kN>(p, m0, kM, n_begin, n_end);
+  cuda::zero<kD>(acc);
+  float m[2] = {cuda::kNegInf, cuda::kNegInf}, l[2] = {0.f, 0.f};
+
+  const auto load_kv = [&](int nb) {  // K_j and V_j into buffer j % 2
+    const int j0 = nb * kN, stage = (nb - n_begin) & 1;
+    load_tile_swizzled<kN, kD, T::kNThreads>(sK(_, _, stage), hp.k + int64_t(j0) * p.k_row_stride, p.k_row_stride,
+                                             p.seqlen_k - j0, p.d, tid);
+    load_tile_swizzled<kN, kD, T::kNThreads>(sV(_, _, stage), hp.v + int64_t(j0) * p.v_row_stride, p.v_row_stride,
+                                             p.seqlen_k - j0, p.d, tid);
+  };
+  load_tile_swizzled<kM, kD, T::kNThreads>(sQ, hp.q + int64_t(m0) * p.q_row_stride, p.q_row_stride, p.seqlen_q - m0,
+                                           p.d, tid);
+  if (n_begin < n_end) load_kv(n_begin);
+  cp_async_commit();
+
+  for (int nb = n_begin; nb < n_end; ++nb) {
+    const int j0 = nb * kN, stage = (nb - n_begin) & 1;
+    cp_async_wait<0>();
+    fence_proxy_async_smem();
+    __syncthreads();  // K_j and V_j (and Q) are in; every warpgroup is done with the other buffer
+    if (nb + 1 < n_end) {
+      load_kv(nb + 1);
+      cp_async_commit();
+    }
+    wgmma_gemm<true, 0>(mma_s, tSrQ, tSrK(_, _, _, stage), tSrS);
+    if (!cuda::tile_fully_visible(p, m0, m0 + kM, j0, j0 + kN)) cuda::mask_tile_qmajor<kN>(s, p, i16, j0, lane);
+    cuda::online_softmax<kN, kD>(s, acc, m, l, p.scale_softmax_log2);
+    to_a_operand<Elem, kN>(tOrP, s);
+    wgmma_gemm<false, 0>(mma_o, tOrP, tOrVt(_, _, _, stage), tOrO);
+  }
+  cp_async_wait<0>();
+
+  Elem* o = static_cast<Elem*>(p.o_ptr) + b * p.o_batch_stride + h * p.o_head_stride;
+  cuda::write_o_lse<Elem, kD>(p, o, hp.bh, i16 + lane / 4, acc, m, l, lane);
+#endif
+}
+
+}  // namespace flash::hopper

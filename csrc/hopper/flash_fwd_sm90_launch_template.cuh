@@ -1,0 +1,31 @@
+// sm90 forward launcher: the tile configuration per head dim. Instantiated once per (dtype, head
+// dim) by the generated files in instantiations/; compiled for sm_90a only (elsewhere the kernel
+// body is empty and run_fwd never dispatches here).
+#pragma once
+
+#include "../cuda/flash_launch.h"
+#include "../cuda/launch_utils.cuh"
+#include "flash_fwd_sm90_kernel.cuh"
+
+namespace flash::hopper {
+
+// 128 query rows on two warpgroups; 128 keys per step up to head dim 128, 64 above (where the
+// output accumulator alone is 128 registers per thread and the tiles would exceed shared memory).
+template <typename Elem, int kHeadDim>
+using FwdSm90Config = FwdSm90Traits<Elem, kHeadDim, 128, (kHeadDim <= 128 ? 128 : 64)>;
+
+// Runs the forward kernel here and returns true where this path applies: an sm_90 GPU, no
+// dropout, enough shared memory, and FLASH_ATTN_DISABLE_SM90 unset (which tests and benchmarks
+// use to run the portable kernels on the same GPU). Otherwise returns false. The portable
+// launcher calls this first and writes return_attn_probs' probabilities either way.
+template <typename Elem, int kHeadDim>
+bool run_mha_fwd_sm90_(FwdParams& p, cudaStream_t stream) {
+  using T = FwdSm90Config<Elem, kHeadDim>;
+  if (!cuda::sm90_path_enabled() || p.p_dropout > 0.f || T::kSmemBytes > cuda::smem_per_block_optin())
+    return false;
+  const dim3 grid((p.seqlen_q + T::kBlockM - 1) / T::kBlockM, p.h, p.b);
+  cuda::launch<T>(&flash_fwd_sm90_kernel<T>, grid, p, stream);
+  return true;
+}
+
+}  // namespace flash::hopper

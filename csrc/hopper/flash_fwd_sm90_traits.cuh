@@ -1,0 +1,42 @@
+// Tile shapes, shared-memory layouts and GMMA tilings of the sm90 forward kernel.
+#pragma once
+
+#include "wgmma_utils.cuh"
+
+namespace flash::hopper {
+
+// kBlockM query rows on kBlockM / 64 warpgroups (64 rows each) and kBlockN keys per step, K and V
+// double-buffered. S = Q K^T reads both operands from shared memory (K-major); O += P V takes P
+// from registers and V^T as an MN-major view of the same V tile.
+template <typename Elem_, int kHeadDim_, int kBlockM_, int kBlockN_>
+struct FwdSm90Traits {
+  using Elem = Elem_;
+  using CElem = CuteElem<Elem>;
+  static constexpr int kHeadDim = kHeadDim_, kBlockM = kBlockM_, kBlockN = kBlockN_, kStages = 2;
+  static constexpr int kNWarpGroups = kBlockM / 64, kNThreads = 128 * kNWarpGroups;
+  static_assert(kBlockM % 64 == 0 && kBlockN % 16 == 0 && kHeadDim % 32 == 0, "tile shapes");
+
+  using Atom = SmemAtomK<CElem, kHeadDim>;
+  using SmemLayoutQ = decltype(cute::tile_to_shape(Atom{}, cute::Shape<cute::Int<kBlockM>, cute::Int<kHeadDim>>{}));
+  using SmemLayoutKV = decltype(cute::tile_to_shape(
+      Atom{}, cute::Shape<cute::Int<kBlockN>, cute::Int<kHeadDim>, cute::Int<kStages>>{}));
+  // V^T(d, key, stage) = V(key, d, stage): same bytes, coordinates swapped.
+  using SmemLayoutVt = decltype(cute::composition(
+      SmemLayoutKV{}, cute::make_ordered_layout(cute::Shape<cute::Int<kHeadDim>, cute::Int<kBlockN>, cute::Int<kStages>>{},
+                                                cute::Step<cute::_2, cute::_1, cute::_3>{})));
+
+  using WarpGroups = cute::Layout<cute::Shape<cute::Int<kNWarpGroups>, cute::_1, cute::_1>>;
+  using TiledMmaS = decltype(cute::make_tiled_mma(
+      cute::GMMA::ss_op_selector<CElem, CElem, float, cute::Shape<cute::_64, cute::Int<kBlockN>, cute::Int<kHeadDim>>>(),
+      WarpGroups{}));
+  using TiledMmaO = decltype(cute::make_tiled_mma(
+      cute::GMMA::rs_op_selector<CElem, CElem, float, cute::Shape<cute::_64, cute::Int<kHeadDim>, cute::Int<kBlockN>>,
+                                 cute::GMMA::Major::K, cute::GMMA::Major::MN>(),
+      WarpGroups{}));
+
+  static constexpr int kSmemQ = int(cute::cosize_v<SmemLayoutQ>), kSmemKV = int(cute::cosize_v<SmemLayoutKV>);
+  static constexpr int kSmemAlign = 1024;  // the 128-byte swizzle repeats every 1024 bytes
+  static constexpr int kSmemBytes = (kSmemQ + 2 * kSmemKV) * int(sizeof(Elem)) + kSmemAlign;
+};
+
+}  // namespace flash::hopper
