@@ -11,6 +11,7 @@ Environment:
   FLASH_ATTN_CUDA_HDIMS="64,128" a subset of the kernel head dims (default: all)
   FLASH_ATTN_CUDA_DTYPES="bf16"  a subset of fp16,bf16 (default: both)
   FLASH_ATTN_CPU_FLAGS          extra C++ flags for the CPU kernels (default on x86-64: AVX2+FMA)
+  FLASH_ATTN_CUTLASS_INCLUDE    CUTLASS/CuTe include dir (default: the nvidia-cutlass package's)
 """
 
 import glob
@@ -35,12 +36,16 @@ def _want_cuda() -> bool:
 
 
 def _cutlass_include() -> list:
-    try:
-        import cutlass_library
-    except ImportError:
-        return []
-    path = os.path.join(os.path.dirname(cutlass_library.__file__), "source", "include")
-    return [path] if os.path.isdir(path) else []
+    """CUTLASS/CuTe headers (the sm90 kernels need them): FLASH_ATTN_CUTLASS_INCLUDE, else the
+    nvidia-cutlass package."""
+    path = os.environ.get("FLASH_ATTN_CUTLASS_INCLUDE")
+    if not path:
+        try:
+            import cutlass_library
+        except ImportError:
+            return []
+        path = os.path.join(os.path.dirname(cutlass_library.__file__), "source", "include")
+    return [path] if os.path.isfile(os.path.join(path, "cute", "tensor.hpp")) else []
 
 
 def _cpu_flags() -> list:
@@ -86,7 +91,10 @@ def _cuda_instantiations():
     dtypes = _subset("FLASH_ATTN_CUDA_DTYPES", DTYPES, str.strip)
     families = [("cuda/instantiations/flash_fwd", hdims), ("cuda/instantiations/flash_bwd", hdims)]
     macros = []
-    if "90a" in _archs():  # wgmma needs the arch-specific target
+    if "90a" in _archs() and not _cutlass_include():
+        print("flash_attn: WARNING: CuTe headers not found (pip install nvidia-cutlass, or set "
+              "FLASH_ATTN_CUTLASS_INCLUDE); building without the sm90 kernels")
+    elif "90a" in _archs():  # wgmma needs the arch-specific target
         families += [("hopper/instantiations/flash_fwd_sm90", hdims),
                      ("hopper/instantiations/flash_bwd_sm90", [h for h in hdims if h in SM90_BWD_HEAD_DIMS])]
         macros.append(("FLASH_ATTN_WITH_SM90", None))
