@@ -172,7 +172,8 @@ __global__ void __launch_bounds__(T::kNThreads) flash_fwd_kernel(const FwdParams
 
   Elem* o = static_cast<Elem*>(p.o_ptr) + b * p.o_batch_stride + h * p.o_head_stride;
 #pragma unroll
-  for (int mt = 0; mt < kMT; ++mt) write_o_lse<Elem, kD>(p, o, hp.bh, m0 + warp_row + mt * 16 + g, acc[mt], m[mt], l[mt], lane);
+  for (int mt = 0; mt < kMT; ++mt)
+    write_o_lse<Elem, kD>(p, o, hp.bh, m0 + warp_row + mt * 16 + g, acc[mt], m[mt], l[mt], lane);
 }
 
 // return_attn_probs: once the logsumexp is known, recompute each score tile and write the exact
