@@ -1,7 +1,6 @@
 // Backward launcher: the D pre-pass, the main kernel (the sm90 one where it applies; with atomic
 // dQ, or with the dQ kernel when deterministic) and the dQ conversion. Instantiated once per
-// (dtype, head dim) by the generated
-// files in instantiations/.
+// (dtype, head dim) by the generated files in instantiations/.
 #pragma once
 
 #include "flash_bwd_dkdv_kernel.cuh"
