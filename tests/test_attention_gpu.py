@@ -76,9 +76,10 @@ def test_dropout(sq, sk, d, causal, dtype):
     check_against_reference(*make(2, sq, sk, 4, 2, d, dtype), causal=causal, dropout_p=0.17)
 
 
+@pytest.mark.parametrize("d", [64, 192, 256])
 @pytest.mark.parametrize("window_size", [(0, 0), (16, 0), (5, 9), (-1, 3), (100, -1)])
-def test_window(window_size):
-    check_against_reference(*make(2, 500, 700, 4, 4, 64, torch.bfloat16), window_size=window_size)
+def test_window(window_size, d):
+    check_against_reference(*make(2, 500, 700, 4, 4, d, torch.bfloat16), window_size=window_size)
 
 
 # The kernels fold the scale into their exponents and assume it is not negative; a negative
@@ -127,15 +128,17 @@ def kernel_names(fn):
                     reason="Hopper (sm_90) only")
 def test_hopper_kernels_run_on_sm90(monkeypatch):
     # Without dropout the forward runs the wgmma kernel, and so does the (non-deterministic)
-    # backward at head dims 64 and 128; FLASH_ATTN_DISABLE_SM90, dropout and deterministic=True
-    # select the portable ones.
-    for d, bwd_sm90 in ((64, True), (128, True), (96, False), (256, False)):
+    # backward at head dims 64 and 128 (keys split over warpgroups) and 192 and 256 (head dim
+    # split); FLASH_ATTN_DISABLE_SM90, dropout and deterministic=True select the portable ones.
+    for d, bwd_kernel in ((64, "flash_bwd_sm90_kernel"), (128, "flash_bwd_sm90_kernel"), (96, None),
+                          (192, "flash_bwd_sm90_split_d_kernel"), (256, "flash_bwd_sm90_split_d_kernel")):
         q, k, v = make(1, 300, 300, 2, 2, d, torch.bfloat16)
         names = kernel_names(lambda: flash_attn_func(q, k, v).sum().backward())
         assert any("flash_fwd_sm90_kernel" in n for n in names), names
-        assert any("flash_bwd_sm90_kernel" in n for n in names) == bwd_sm90, names
+        sm90_bwd = [n for n in names if "flash_bwd_sm90" in n]
+        assert (bwd_kernel is None and not sm90_bwd) or (sm90_bwd and all(bwd_kernel + "<" in n for n in sm90_bwd)), names
     names = kernel_names(lambda: flash_attn_func(q, k, v, deterministic=True).sum().backward())
-    assert not any("flash_bwd_sm90_kernel" in n for n in names) and any("flash_bwd_dq_kernel" in n for n in names)
+    assert not any("flash_bwd_sm90" in n for n in names) and any("flash_bwd_dq_kernel" in n for n in names)
     names = kernel_names(lambda: flash_attn_func(q, k, v, dropout_p=0.1).sum().backward())
     assert not any("sm90" in n for n in names) and any("flash_fwd_kernel" in n for n in names)
     monkeypatch.setenv("FLASH_ATTN_DISABLE_SM90", "1")
@@ -153,8 +156,9 @@ def test_portable_kernels_on_this_gpu(d, causal, monkeypatch):
     check_against_reference(*make(1, 1000, 1000, 2, 1, d, torch.float16), causal=causal)
 
 
-def test_odd_head_dim_is_padded():
-    check_against_reference(*make(2, 77, 99, 2, 1, 33, torch.float16), causal=True)
+@pytest.mark.parametrize("d", [33, 180, 250])  # run on the kernels of head dims 64, 192 and 256
+def test_odd_head_dim_is_padded(d):
+    check_against_reference(*make(2, 77, 99, 2, 1, d, torch.float16), causal=True)
 
 
 def test_non_contiguous_inputs():

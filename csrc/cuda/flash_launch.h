@@ -48,5 +48,5 @@ bool run_mha_fwd_sm90_(FwdParams& params, cudaStream_t stream);
 template <typename Elem, int kHeadDim>
 bool run_mha_bwd_sm90_(BwdParams& params, cudaStream_t stream);  // head dims with has_sm90_bwd only
 template <int kHeadDim>
-inline constexpr bool has_sm90_bwd = kHeadDim == 64 || kHeadDim == 128;
+inline constexpr bool has_sm90_bwd = kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 192 || kHeadDim == 256;
 }  // namespace flash::hopper

@@ -6,31 +6,10 @@
 // atomics. dS is unscaled: softmax_scale goes to dK in the epilogue and to dQ in the conversion.
 #pragma once
 
-#include "../cuda/flash_bwd_dkdv_kernel.cuh"
+#include "flash_bwd_sm90_common.cuh"
 #include "flash_bwd_sm90_traits.cuh"
 
 namespace flash::hopper {
-
-// Mask a key-major (16 keys x kM queries) score tile: keys j16 + g, j16 + g + 8; queries i0 + 8 n +
-// 2 t + {0, 1}. Keys past seqlen_k and queries outside each key's visible rows become -inf.
-template <int kM>
-__device__ __forceinline__ void mask_tile_kmajor(float (&s)[kM / 8][4], const FwdParams& p, int j16, int i0,
-                                                 int lane) {
-  int begin[2], end[2];
-#pragma unroll
-  for (int hr = 0; hr < 2; ++hr) {
-    const int j = j16 + lane / 4 + 8 * hr;
-    begin[hr] = end[hr] = 0;
-    if (j < p.seqlen_k) cuda::query_row_range(p, j, j + 1, begin[hr], end[hr]);
-  }
-#pragma unroll
-  for (int n = 0; n < kM / 8; ++n)
-#pragma unroll
-    for (int r = 0; r < 4; ++r) {
-      const int i = i0 + n * 8 + 2 * (lane % 4) + (r & 1);
-      if (i < begin[r >> 1] || i >= end[r >> 1]) s[n][r] = cuda::kNegInf;
-    }
-}
 
 template <typename T>
 __global__ void __launch_bounds__(T::kNThreads, 1) flash_bwd_sm90_kernel(const BwdParams p) {
@@ -61,13 +40,7 @@ __global__ void __launch_bounds__(T::kNThreads, 1) flash_bwd_sm90_kernel(const B
   const int j0 = blockIdx.x * kN, h = blockIdx.y, b = blockIdx.z;
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
   const int key16 = warp * 16;  // this warp's 16 keys, relative to j0 (warpgroup w: keys 64 w ..)
-  const cuda::HeadPtrs<Elem> hp = cuda::head_ptrs<Elem>(p, b, h);
-  const Elem* dout = static_cast<const Elem*>(p.do_ptr) + b * p.do_batch_stride + h * p.do_head_stride;
-  const float* lse = p.softmax_lse_ptr + int64_t(hp.bh) * p.seqlen_q;
-  const float* dsum = p.dsoftmax_sum_ptr + int64_t(hp.bh) * p.seqlen_q;
-  constexpr int kPad = cuda::kDqAccumRowPad;
-  static_assert(kPad % kM == 0, "dq_accum_shape() pads rows to the query block");
-  float* dq_accum = p.dq_accum_ptr + int64_t(hp.bh) * ((p.seqlen_q + kPad - 1) / kPad * kPad) * kD;
+  const BwdHeadPtrs<Elem> hp = bwd_head_ptrs<Elem, kD, kM>(p, b, h);
   // This thread's share of dQ (see BwdSm90Traits::kDqSplitN).
   const bool dq_warpgroup = T::kDqSplitN || warp < 4;
   const int dq_row16 = (warp % 4) * 16, dq_col0 = T::kDqSplitN ? (warp / 4) * T::kDqN : 0;
@@ -100,68 +73,26 @@ __global__ void __launch_bounds__(T::kNThreads, 1) flash_bwd_sm90_kernel(const B
   float(&dk)[kD / 8][4] = as_rows16<kD>(tdKrdK);
   float(&dq)[T::kDqN / 8][4] = as_rows16<T::kDqN>(tdQrdQ);
 
-  int i_begin, i_end;
-  cuda::query_row_range(p, j0, min(j0 + kN, p.seqlen_k), i_begin, i_end);
-  const int mb_begin = i_begin / kM, mb_end = i_begin < i_end ? (i_end + kM - 1) / kM : mb_begin;
-  static_assert(T::kNThreads >= 2 * kM, "one thread per row statistic");
-  const auto load_q = [&](int mb, int stage) {  // Q and dO with their rows' logsumexp and D
-    const int i0 = mb * kM;
-    load_tile_swizzled<kM, kD, T::kNThreads>(sQ(_, _, stage), hp.q + int64_t(i0) * p.q_row_stride, p.q_row_stride,
-                                             p.seqlen_q - i0, p.d, tid);
-    load_tile_swizzled<kM, kD, T::kNThreads>(sdO(_, _, stage), dout + int64_t(i0) * p.do_row_stride,
-                                             p.do_row_stride, p.seqlen_q - i0, p.d, tid);
-    const int r = tid % kM, i = i0 + r;
-    if (tid < 2 * kM)
-      cuda::cp_async_4((tid < kM ? sLse : sDsum) + stage * kM + r, (tid < kM ? lse : dsum) + (i < p.seqlen_q ? i : 0),
-                       i < p.seqlen_q);
-  };
-  load_tile_swizzled<kN, kD, T::kNThreads>(sK, hp.k + int64_t(j0) * p.k_row_stride, p.k_row_stride, p.seqlen_k - j0,
-                                           p.d, tid);
-  load_tile_swizzled<kN, kD, T::kNThreads>(sV, hp.v + int64_t(j0) * p.v_row_stride, p.v_row_stride, p.seqlen_k - j0,
-                                           p.d, tid);
-  if (mb_begin < mb_end) load_q(mb_begin, 0);
+  int mb_begin, mb_end;
+  query_block_range<kM, kN>(p, j0, mb_begin, mb_end);
+  QueryBlockStream<kM, kD, T::kNThreads, Elem, decltype(sQ)> qblocks{sQ, sdO, sLse, sDsum, hp, p, tid, mb_begin, mb_end};
+  load_k_v<kN, kD, T::kNThreads>(sK, sV, hp, p, j0, tid);
+  if (mb_begin < mb_end) qblocks.load(mb_begin);
   cp_async_commit();
   cuda::zero<kD>(dk);
   cuda::zero<kD>(dv);
 
   for (int mb = mb_begin; mb < mb_end; ++mb) {
-    const int i0 = mb * kM, stage = (mb - mb_begin) & 1;
-    cp_async_wait<0>();
-    fence_proxy_async_smem();
-    __syncthreads();  // this step's tiles are in; every warpgroup is done with the other stage and dS
-    if (mb + 1 < mb_end) {
-      load_q(mb + 1, stage ^ 1);
-      cp_async_commit();
-    }
+    const int i0 = mb * kM, stage = qblocks.begin_step(mb);  // all done with dS too
     wgmma_gemm<true, -1>(mma_sdp, tSrK, tSrQ(_, _, _, stage), tSrS);
     wgmma_gemm<true, -1>(mma_sdp, tSrV, tSrdO(_, _, _, stage), tSrdP);
 
-    // P^T = exp2(S^T scale_log2 - lse2) per query column. A query row that sees no key has
-    // lse = -inf and every score masked: use 0 so exp2 gives 0, not NaN.
     wgmma_wait<1>(tSrS);
     if (!(cuda::tile_fully_visible(p, i0, i0 + kM, j0, j0 + kN) && i0 + kM <= p.seqlen_q))
       mask_tile_kmajor<kM>(s, p, j0 + key16, i0, lane);
-    const float* lse_st = sLse + stage * kM + 2 * t;
-    const float* dsum_st = sDsum + stage * kM + 2 * t;
-#pragma unroll
-    for (int n = 0; n < kM / 8; ++n)
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const float l = lse_st[n * 8 + e];
-        const float lse2 = l == cuda::kNegInf ? 0.f : l * cuda::kLog2e;
-#pragma unroll
-        for (int hr = 0; hr < 2; ++hr)
-          s[n][2 * hr + e] = cuda::fast_exp2(fmaf(s[n][2 * hr + e], p.scale_softmax_log2, -lse2));
-      }
+    probs_kmajor<kM>(s, sLse + stage * kM + 2 * t, p.scale_softmax_log2);
     wgmma_wait<0>(tSrdP);
-#pragma unroll
-    for (int n = 0; n < kM / 8; ++n)
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const float dsm = dsum_st[n * 8 + e];
-#pragma unroll
-        for (int hr = 0; hr < 2; ++hr) dp[n][2 * hr + e] = s[n][2 * hr + e] * (dp[n][2 * hr + e] - dsm);
-      }
+    dscores_kmajor<kM>(dp, s, sDsum + stage * kM + 2 * t);
     to_a_operand<Elem, kM>(tKVrP, s);
     to_a_operand<Elem, kM>(tKVrdS, dp);
     wgmma_gemm<false, -1>(mma_dkv, tKVrP, tKVrdO(_, _, _, stage), tdVrdV);
@@ -183,18 +114,11 @@ __global__ void __launch_bounds__(T::kNThreads, 1) flash_bwd_sm90_kernel(const B
     wgmma_gemm<true, -1>(mma_dq, tQrdS, tQrKt, tdQrdQ);
     wgmma_wait<0>(tdVrdV, tdKrdK, tKVrP, tKVrdS, tdQrdQ);
 
-    // Padded rows and columns receive exact zeros (their dS rows and K rows are zero), so the
-    // adds need no bounds checks.
-    float* dst = dq_accum + int64_t(i0 + dq_row16 + g) * kD + dq_col0 + 2 * t;
-#pragma unroll
-    for (int hr = 0; hr < 2; ++hr)
-#pragma unroll
-      for (int nt = 0; nt < T::kDqN / 8; ++nt)
-        cuda::atomic_add2(dst + 8 * hr * kD + nt * 8, dq[nt][2 * hr], dq[nt][2 * hr + 1]);
+    add_dq_slice<T::kDqN, kD>(hp.dq_accum + int64_t(i0 + dq_row16 + g) * kD + dq_col0 + 2 * t, dq);
   }
   cp_async_wait<0>();
 
-  cuda::write_dk_dv_tile<Elem, kD>(p, b, h, hp.bh, j0 + key16, 0, dk, dv, lane);
+  cuda::write_dk_dv_tile<Elem, kD>(p, b, h, hp.in.bh, j0 + key16, 0, dk, dv, lane);
 #endif
 }
 

@@ -60,4 +60,61 @@ struct BwdSm90Traits {
                                     2 * kStages * kBlockM * int(sizeof(float)) + kSmemAlign;
 };
 
+// Head dims above 128, where 128 keys' dK and dV accumulators would not fit in registers: one CTA
+// per block of 64 keys on kNWarpGroups = kHeadDim / kDSlice warpgroups, 64 queries per step (Q,
+// dO and their statistics double-buffered). Per step
+//  warpgroup 0 computes S^T = K Q^T and warpgroup 1 dP^T = V dO^T (64 x 64, keys as rows); they
+//    swap halves in float32 through shared memory, and each forms P^T and dS^T for half of the
+//    queries and stores them (16-bit, keys x queries, queries contiguous);
+//  then every warpgroup w owns head-dim columns [w kDSlice, (w + 1) kDSlice) of dV += P^T dO,
+//    dK += dS^T Q (A from shared memory) and dQ = dS K (dS as the MN-major view of dS^T).
+template <typename Elem_, int kHeadDim_, int kDSlice_>
+struct BwdSm90SplitDTraits {
+  using Elem = Elem_;
+  using CElem = CuteElem<Elem>;
+  static constexpr int kHeadDim = kHeadDim_, kDSlice = kDSlice_, kBlockM = 64, kBlockN = 64, kStages = 2;
+  static constexpr int kNWarpGroups = kHeadDim / kDSlice, kNThreads = 128 * kNWarpGroups;
+  static_assert(kHeadDim % kDSlice == 0 && kDSlice % 64 == 0 && kNWarpGroups >= 2, "whole swizzle atoms per slice");
+
+  using _D = cute::Int<kHeadDim>;
+  using _DS = cute::Int<kDSlice>;
+  using _M = cute::Int<kBlockM>;
+  using _N = cute::Int<kBlockN>;
+  using Atom = SmemAtomK<CElem, kHeadDim>;
+  using SmemLayoutQ = decltype(cute::tile_to_shape(Atom{}, cute::Shape<_M, _D, cute::Int<kStages>>{}));  // Q, dO
+  using SmemLayoutK = decltype(cute::tile_to_shape(Atom{}, cute::Shape<_N, _D>{}));                      // K, V
+  // The same bytes as transposed column slices (MN-major B operands): a (rows x kHeadDim) tile is
+  // its kNWarpGroups (rows x kDSlice) slices one after another. Slice w of stage s: w + kNWarpGroups s.
+  template <int kRows, int kSlices>
+  using SlicesT = decltype(cute::composition(
+      cute::tile_to_shape(Atom{}, cute::Shape<cute::Int<kRows>, _DS, cute::Int<kSlices>>{}),
+      cute::make_ordered_layout(cute::Shape<_DS, cute::Int<kRows>, cute::Int<kSlices>>{},
+                                cute::Step<cute::_2, cute::_1, cute::_3>{})));
+  using SmemLayoutQtSlices = SlicesT<kBlockM, kNWarpGroups * kStages>;
+  using SmemLayoutKtSlices = SlicesT<kBlockN, kNWarpGroups>;
+  // P^T and dS^T (keys x queries, queries contiguous), and dS (queries x keys) as a view of dS^T.
+  using SmemLayoutPt = decltype(cute::tile_to_shape(cute::GMMA::Layout_K_SW128_Atom<CElem>{}, cute::Shape<_N, _M>{}));
+  using SmemLayoutdS = decltype(cute::composition(
+      SmemLayoutPt{}, cute::make_ordered_layout(cute::Shape<_M, _N>{}, cute::Step<cute::_2, cute::_1>{})));
+
+  using OneWarpGroup = cute::Layout<cute::Shape<cute::_1, cute::_1, cute::_1>>;
+  using TiledMmaSdP = decltype(cute::make_tiled_mma(
+      cute::GMMA::ss_op_selector<CElem, CElem, float, cute::Shape<_N, _M, _D>>(), OneWarpGroup{}));
+  using TiledMmadKV = decltype(cute::make_tiled_mma(
+      cute::GMMA::ss_op_selector<CElem, CElem, float, cute::Shape<_N, _DS, _M>, cute::GMMA::Major::K,
+                                 cute::GMMA::Major::MN>(),
+      OneWarpGroup{}));
+  using TiledMmadQ = decltype(cute::make_tiled_mma(
+      cute::GMMA::ss_op_selector<CElem, CElem, float, cute::Shape<_M, _DS, _N>, cute::GMMA::Major::MN,
+                                 cute::GMMA::Major::MN>(),
+      OneWarpGroup{}));
+
+  static constexpr int kSmemQ = int(cute::cosize_v<SmemLayoutQ>), kSmemK = int(cute::cosize_v<SmemLayoutK>);
+  static constexpr int kSmemPt = int(cute::cosize_v<SmemLayoutPt>);
+  static constexpr int kSmemAlign = 1024;
+  static constexpr int kSmemBytes = (2 * kSmemQ + 2 * kSmemK + 2 * kSmemPt) * int(sizeof(Elem)) +
+                                    (kBlockN * kBlockM + 2 * kStages * kBlockM) * int(sizeof(float))  // score halves, lse, D
+                                    + kSmemAlign;
+};
+
 }  // namespace flash::hopper

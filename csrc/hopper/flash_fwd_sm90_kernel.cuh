@@ -12,7 +12,7 @@
 namespace flash::hopper {
 
 template <typename T>
-__global__ void __launch_bounds__(T::kNThreads, 1) flash_fwd_sm90_kernel(const FwdParams p) {
+__global__ void __launch_bounds__(T::kNThreads, T::kMinBlocks) flash_fwd_sm90_kernel(const FwdParams p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using namespace cute;
   using Elem = typename T::Elem;

@@ -11,8 +11,11 @@ namespace flash::hopper {
 
 // 128 query rows on two warpgroups; 128 keys per step up to head dim 128, 64 above (where the
 // output accumulator alone is 128 registers per thread and the tiles would exceed shared memory).
+// Up to head dim 64 the registers are capped so that two CTAs share an SM (81 KB of shared
+// memory each): one's exponentials overlap the other's MMAs and prologue. Measured at d=64
+// against one CTA per SM, 128 x 64 tiles and 192-row CTAs: benchmarks/NOTES.md.
 template <typename Elem, int kHeadDim>
-using FwdSm90Config = FwdSm90Traits<Elem, kHeadDim, 128, (kHeadDim <= 128 ? 128 : 64)>;
+using FwdSm90Config = FwdSm90Traits<Elem, kHeadDim, 128, (kHeadDim <= 128 ? 128 : 64), (kHeadDim <= 64 ? 2 : 1)>;
 
 // Runs the forward kernel here and returns true where this path applies: an sm_90 GPU, no
 // dropout, enough shared memory, and FLASH_ATTN_DISABLE_SM90 unset (which tests and benchmarks

@@ -8,11 +8,12 @@ namespace flash::hopper {
 // kBlockM query rows on kBlockM / 64 warpgroups (64 rows each) and kBlockN keys per step, K and V
 // double-buffered. S = Q K^T reads both operands from shared memory (K-major); O += P V takes P
 // from registers and V^T as an MN-major view of the same V tile.
-template <typename Elem_, int kHeadDim_, int kBlockM_, int kBlockN_>
+template <typename Elem_, int kHeadDim_, int kBlockM_, int kBlockN_, int kMinBlocks_ = 1>
 struct FwdSm90Traits {
   using Elem = Elem_;
   using CElem = CuteElem<Elem>;
   static constexpr int kHeadDim = kHeadDim_, kBlockM = kBlockM_, kBlockN = kBlockN_, kStages = 2;
+  static constexpr int kMinBlocks = kMinBlocks_;  // CTAs per SM the registers must allow
   static constexpr int kNWarpGroups = kBlockM / 64, kNThreads = 128 * kNWarpGroups;
   static_assert(kBlockM % 64 == 0 && kBlockN % 16 == 0 && kHeadDim % 32 == 0, "tile shapes");
 

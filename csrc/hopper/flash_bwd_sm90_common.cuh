@@ -1,0 +1,164 @@
+// Pieces both sm90 backward kernels share: per-head pointers, the per-step loads of Q, dO and
+// their rows' statistics, and the key-major (keys as MMA rows) masking, probabilities, score
+// gradients and dQ accumulation.
+#pragma once
+
+#include "../cuda/flash_bwd_dkdv_kernel.cuh"
+#include "wgmma_utils.cuh"
+
+namespace flash::hopper {
+
+// The backward's inputs for one (batch, head) and that head's rows of the dQ accumulator (kD
+// columns, rows padded as dq_accum_shape() pads them).
+template <typename Elem>
+struct BwdHeadPtrs {
+  cuda::HeadPtrs<Elem> in;  // q, k, v and bh
+  const Elem* dout;
+  const float *lse, *dsum;
+  float* dq_accum;
+};
+
+template <typename Elem, int kD, int kM>
+__device__ __forceinline__ BwdHeadPtrs<Elem> bwd_head_ptrs(const BwdParams& p, int b, int h) {
+  constexpr int kPad = cuda::kDqAccumRowPad;
+  static_assert(kPad % kM == 0, "dq_accum_shape() pads rows to the query block");
+  BwdHeadPtrs<Elem> r;
+  r.in = cuda::head_ptrs<Elem>(p, b, h);
+  r.dout = static_cast<const Elem*>(p.do_ptr) + b * p.do_batch_stride + h * p.do_head_stride;
+  r.lse = p.softmax_lse_ptr + int64_t(r.in.bh) * p.seqlen_q;
+  r.dsum = p.dsoftmax_sum_ptr + int64_t(r.in.bh) * p.seqlen_q;
+  r.dq_accum = p.dq_accum_ptr + int64_t(r.in.bh) * ((p.seqlen_q + kPad - 1) / kPad * kPad) * kD;
+  return r;
+}
+
+// Queue the cp.async loads of query block i0 (kM rows): Q and dO into one stage of their
+// swizzled (kM x kD) tiles, the rows' logsumexp and D into sLse / sDsum (rows past seqlen_q get
+// zeros; the mask removes them).
+template <int kM, int kD, int kThreads, typename Elem, typename SmemTile>
+__device__ __forceinline__ void load_q_do_stats(SmemTile&& sQ, SmemTile&& sdO, float* sLse, float* sDsum,
+                                                const BwdHeadPtrs<Elem>& hp, const BwdParams& p, int i0, int tid) {
+  static_assert(kThreads >= 2 * kM, "one thread per row statistic");
+  load_tile_swizzled<kM, kD, kThreads>(sQ, hp.in.q + int64_t(i0) * p.q_row_stride, p.q_row_stride, p.seqlen_q - i0,
+                                       p.d, tid);
+  load_tile_swizzled<kM, kD, kThreads>(sdO, hp.dout + int64_t(i0) * p.do_row_stride, p.do_row_stride,
+                                       p.seqlen_q - i0, p.d, tid);
+  const int r = tid % kM, i = i0 + r;
+  if (tid < 2 * kM)
+    cuda::cp_async_4((tid < kM ? sLse : sDsum) + r, (tid < kM ? hp.lse : hp.dsum) + (i < p.seqlen_q ? i : 0),
+                     i < p.seqlen_q);
+}
+
+// The query blocks [mb_begin, mb_end) of kM rows that can see some key of [j0, j0 + kN).
+template <int kM, int kN>
+__device__ __forceinline__ void query_block_range(const FwdParams& p, int j0, int& mb_begin, int& mb_end) {
+  int i_begin, i_end;
+  cuda::query_row_range(p, j0, min(j0 + kN, p.seqlen_k), i_begin, i_end);
+  mb_begin = i_begin / kM;
+  mb_end = i_begin < i_end ? (i_end + kM - 1) / kM : mb_begin;
+}
+
+// Queue the cp.async loads of the CTA's K and V tiles (keys [j0, j0 + kN); rows past seqlen_k
+// and columns past d are zero-filled).
+template <int kN, int kD, int kThreads, typename Elem, typename SmemTile>
+__device__ __forceinline__ void load_k_v(SmemTile& sK, SmemTile& sV, const BwdHeadPtrs<Elem>& hp, const BwdParams& p,
+                                         int j0, int tid) {
+  load_tile_swizzled<kN, kD, kThreads>(sK, hp.in.k + int64_t(j0) * p.k_row_stride, p.k_row_stride, p.seqlen_k - j0,
+                                       p.d, tid);
+  load_tile_swizzled<kN, kD, kThreads>(sV, hp.in.v + int64_t(j0) * p.v_row_stride, p.v_row_stride, p.seqlen_k - j0,
+                                       p.d, tid);
+}
+
+// The double-buffered stream of query blocks [mb_begin, mb_end): block mb's Q, dO, logsumexp
+// and D land in stage (mb - mb_begin) % 2 of the (kM x kD x 2) tiles sQ, sdO and of sLse, sDsum.
+template <int kM, int kD, int kThreads, typename Elem, typename SmemQ>
+struct QueryBlockStream {
+  SmemQ sQ, sdO;
+  float *sLse, *sDsum;
+  const BwdHeadPtrs<Elem>& hp;
+  const BwdParams& p;
+  int tid, mb_begin, mb_end;
+
+  __device__ __forceinline__ int stage(int mb) const { return (mb - mb_begin) & 1; }
+  __device__ __forceinline__ void load(int mb) {
+    const int st = stage(mb);
+    load_q_do_stats<kM, kD, kThreads>(sQ(cute::_, cute::_, st), sdO(cute::_, cute::_, st), sLse + st * kM,
+                                      sDsum + st * kM, hp, p, mb * kM, tid);
+  }
+  // Step mb begins: its tiles are waited for and published to the CTA and the tensor cores (the
+  // barrier also means every thread is done with step mb - 1), then block mb + 1 is queued into
+  // the other stage. Returns mb's stage.
+  __device__ __forceinline__ int begin_step(int mb) {
+    cuda::cp_async_wait<0>();
+    fence_proxy_async_smem();
+    __syncthreads();
+    if (mb + 1 < mb_end) {
+      load(mb + 1);
+      cuda::cp_async_commit();
+    }
+    return stage(mb);
+  }
+};
+
+// Mask a key-major (16 keys x kM queries) score tile: keys j16 + g, j16 + g + 8; queries i0 + 8 n +
+// 2 t + {0, 1}. Keys past seqlen_k and queries outside each key's visible rows become -inf.
+template <int kM>
+__device__ __forceinline__ void mask_tile_kmajor(float (&s)[kM / 8][4], const FwdParams& p, int j16, int i0,
+                                                 int lane) {
+  int begin[2], end[2];
+#pragma unroll
+  for (int hr = 0; hr < 2; ++hr) {
+    const int j = j16 + lane / 4 + 8 * hr;
+    begin[hr] = end[hr] = 0;
+    if (j < p.seqlen_k) cuda::query_row_range(p, j, j + 1, begin[hr], end[hr]);
+  }
+#pragma unroll
+  for (int n = 0; n < kM / 8; ++n)
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      const int i = i0 + n * 8 + 2 * (lane % 4) + (r & 1);
+      if (i < begin[r >> 1] || i >= end[r >> 1]) s[n][r] = cuda::kNegInf;
+    }
+}
+
+// P^T = exp2(S^T scale_log2 - lse log2 e) in place on a key-major tile; lse_t points at the stage's
+// logsumexp of query column 2 t. A query row that sees no key has lse = -inf and every score
+// masked: 0 is used there so exp2 gives 0, not NaN.
+template <int kM>
+__device__ __forceinline__ void probs_kmajor(float (&s)[kM / 8][4], const float* lse_t, float scale_log2) {
+#pragma unroll
+  for (int n = 0; n < kM / 8; ++n)
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const float l = lse_t[n * 8 + e];
+      const float lse2 = l == cuda::kNegInf ? 0.f : l * cuda::kLog2e;
+#pragma unroll
+      for (int hr = 0; hr < 2; ++hr) s[n][2 * hr + e] = cuda::fast_exp2(fmaf(s[n][2 * hr + e], scale_log2, -lse2));
+    }
+}
+
+// dS^T = P^T (dP^T - D) in place on dp; dsum_t points at the stage's D of query column 2 t.
+template <int kM>
+__device__ __forceinline__ void dscores_kmajor(float (&dp)[kM / 8][4], const float (&pr)[kM / 8][4],
+                                               const float* dsum_t) {
+#pragma unroll
+  for (int n = 0; n < kM / 8; ++n)
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const float dsm = dsum_t[n * 8 + e];
+#pragma unroll
+      for (int hr = 0; hr < 2; ++hr) dp[n][2 * hr + e] = pr[n][2 * hr + e] * (dp[n][2 * hr + e] - dsm);
+    }
+}
+
+// Add one warp's (16 queries x kN columns) slice of dQ into the accumulator (row stride kD) at
+// dst = row g, column 2 t of the slice. Padded rows and columns receive exact zeros (their dS rows
+// and K rows are zero), so the adds need no bounds checks.
+template <int kN, int kD>
+__device__ __forceinline__ void add_dq_slice(float* dst, const float (&dq)[kN / 8][4]) {
+#pragma unroll
+  for (int hr = 0; hr < 2; ++hr)
+#pragma unroll
+    for (int nt = 0; nt < kN / 8; ++nt) cuda::atomic_add2(dst + 8 * hr * kD + nt * 8, dq[nt][2 * hr], dq[nt][2 * hr + 1]);
+}
+
+}  // namespace flash::hopper
