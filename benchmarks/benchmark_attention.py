@@ -59,7 +59,12 @@ def measure(impl, b, s, h, d, dtype, causal):
             return measure("ours", b, s, h, d, dtype, causal)
         finally:
             del os.environ["FLASH_ATTN_DISABLE_SM90"]
-    fwd, inputs = make_fn(impl, b, s, h, d, dtype, causal)
+    return time_fwd_bwd(*make_fn(impl, b, s, h, d, dtype, causal))
+
+
+def time_fwd_bwd(fwd, inputs):
+    """Median forward and forward+backward ms of fwd() (gradients into inputs), and the peak memory
+    of one forward+backward beyond what was allocated before it."""
     dout = torch.randn_like(fwd())
 
     def fwd_bwd():
@@ -95,13 +100,18 @@ def plot(rows, path):
                 if pts:
                     ax.plot(*zip(*pts), marker="o", label=impl, linewidth=2.5 if impl == "ours" else 1.2)
             ax.set_xscale("log", base=2)
-            ax.set_title(f"{key[0]} d={key[1]} {'causal' if key[2] else 'non-causal'}: {metric.split('_')[0]}")
-            ax.set_xlabel("seqlen")
-            ax.set_ylabel("TFLOP/s")
-            ax.grid(alpha=0.3)
-            ax.legend(fontsize=7)
+            finish_axis(ax, f"{key[0]} d={key[1]} {'causal' if key[2] else 'non-causal'}: {metric.split('_')[0]}",
+                        "seqlen", "TFLOP/s")
     fig.tight_layout()
     fig.savefig(path, dpi=80)
+
+
+def finish_axis(ax, title, xlabel, ylabel):
+    ax.set_title(title)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
 
 
 def main():

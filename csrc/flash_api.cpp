@@ -10,6 +10,7 @@
 #include <optional>
 #include <tuple>
 
+#include "block_mask.h"
 #include "cpu/flash_cpu.h"
 #include "flash_params.h"
 
@@ -128,6 +129,60 @@ void set_fwd_params(FwdParams& p, const Shapes& s, const at::Tensor& q, const at
   p.dtype = to_dtype(q.scalar_type());
 }
 
+// The block-sparse mask's three tensors (flash_attn.block_sparse.BlockSparseMask builds them):
+// all given or none.
+struct BlockMask {
+  const std::optional<at::Tensor>& layout;
+  const std::optional<at::Tensor>& q_lists;
+  const std::optional<at::Tensor>& k_lists;
+  bool present() const { return layout.has_value() && layout->defined(); }
+};
+
+void check_mask_tensor(const at::Tensor& t, const char* name, at::ScalarType dtype, const at::Tensor& q,
+                       std::initializer_list<int64_t> shape) {
+  TORCH_CHECK(t.scalar_type() == dtype, "flash_attn: ", name, " must be ", dtype, ", got ", t.scalar_type());
+  TORCH_CHECK(t.device() == q.device(), "flash_attn: ", name, " must be on the device of q (", q.device(), "), got ",
+              t.device(), "; move the mask with BlockSparseMask.to(device) once, outside the step");
+  TORCH_CHECK(t.sizes().equals(shape), "flash_attn: ", name, " must have shape ", at::IntArrayRef(shape), ", got ",
+              t.sizes());
+  TORCH_CHECK(t.is_contiguous(), "flash_attn: ", name, " must be contiguous");
+}
+
+void check_block_mask(const Shapes& s, const at::Tensor& q, const BlockMask& m) {
+  const bool lists = m.q_lists.has_value() && m.q_lists->defined() && m.k_lists.has_value() && m.k_lists->defined();
+  if (!m.present()) {
+    TORCH_CHECK(!(m.q_lists.has_value() && m.q_lists->defined()) && !(m.k_lists.has_value() && m.k_lists->defined()),
+                "flash_attn: q_block_lists / k_block_lists were given without block_layout");
+    return;
+  }
+  TORCH_CHECK(lists, "flash_attn: block_layout needs q_block_lists and k_block_lists (build all three with "
+              "flash_attn.BlockSparseMask.from_layout)");
+  const at::Tensor& l = *m.layout;
+  TORCH_CHECK(l.dim() == 4, "flash_attn: block_layout must have shape (batch or 1, nheads or 1, q_blocks, k_blocks), "
+              "got ", l.sizes());
+  const int64_t nq = (s.seqlen_q + kMaskBlock - 1) / kMaskBlock, nk = (s.seqlen_k + kMaskBlock - 1) / kMaskBlock;
+  TORCH_CHECK((l.size(0) == 1 || l.size(0) == s.b) && (l.size(1) == 1 || l.size(1) == s.h),
+              "flash_attn: block_layout's batch and head dims (", l.size(0), ", ", l.size(1),
+              ") must each be 1 or equal to batch and nheads (", s.b, ", ", s.h, ")");
+  TORCH_CHECK(l.size(2) == nq && l.size(3) == nk, "flash_attn: block_layout must have ", nq, " x ", nk, " blocks of ",
+              kMaskBlock, " for seqlen_q = ", s.seqlen_q, ", seqlen_k = ", s.seqlen_k, ", got ", l.size(2), " x ",
+              l.size(3));
+  check_mask_tensor(l, "block_layout", at::kBool, q, {l.size(0), l.size(1), nq, nk});
+  check_mask_tensor(*m.q_lists, "q_block_lists", at::kInt, q, {l.size(0), l.size(1), nq, 1 + nk});
+  check_mask_tensor(*m.k_lists, "k_block_lists", at::kInt, q, {l.size(0), l.size(1), nk, 1 + nq});
+}
+
+void set_block_mask(FwdParams& p, const BlockMask& m) {
+  if (!m.present()) return;
+  p.block_layout = m.layout->data_ptr<bool>();
+  p.q_block_lists = m.q_lists->data_ptr<int32_t>();
+  p.k_block_lists = m.k_lists->data_ptr<int32_t>();
+  p.mask_b = int(m.layout->size(0));
+  p.mask_h = int(m.layout->size(1));
+  p.mask_q_blocks = int(m.layout->size(2));
+  p.mask_k_blocks = int(m.layout->size(3));
+}
+
 at::Tensor as_float(const at::Tensor& t) { return t.scalar_type() == at::kFloat ? t : t.to(at::kFloat); }
 
 double default_scale(std::optional<double> scale, int d) { return scale.value_or(1.0 / std::sqrt(double(d))); }
@@ -197,10 +252,13 @@ void set_cuda_philox(FwdParams& p) {
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> mha_fwd(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double dropout_p,
     std::optional<double> softmax_scale, bool causal, int64_t window_size_left, int64_t window_size_right,
-    bool return_softmax, bool deterministic) {
+    bool return_softmax, bool deterministic, const std::optional<at::Tensor>& block_layout,
+    const std::optional<at::Tensor>& q_block_lists, const std::optional<at::Tensor>& k_block_lists) {
   const Shapes s = check_qkv(q, k, v);
   const double scale = default_scale(softmax_scale, s.d);
   check_scalars(dropout_p, scale, window_size_left, window_size_right);
+  const BlockMask mask{block_layout, q_block_lists, k_block_lists};
+  check_block_mask(s, q, mask);
   (void)deterministic;  // the forward is deterministic; the flag rides along for the backward
 
   const auto opts = q.options();
@@ -218,6 +276,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> mha_fwd(
     FwdParams p;
     set_fwd_params(p, s, qc, kc, vc, out_k, lse, dropout_p, cscale, causal, window_size_left, window_size_right);
     p.d = int(d8);
+    set_block_mask(p, mask);
     p.p_ptr = return_softmax ? probs.data_ptr<float>() : nullptr;
     p.rng_state_ptr = rng_state.data_ptr<int64_t>();
     if (dropout_p > 0.0) set_cuda_philox(p);
@@ -231,6 +290,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> mha_fwd(
   at::Tensor out_f = q.scalar_type() == at::kFloat ? out : at::empty(out.sizes(), opts.dtype(at::kFloat));
   FwdParams p;
   set_fwd_params(p, s, qf, kf, vf, out_f, lse, dropout_p, scale, causal, window_size_left, window_size_right);
+  set_block_mask(p, mask);
   p.p_ptr = return_softmax ? probs.data_ptr<float>() : nullptr;
   if (dropout_p > 0.0) {
     p.philox_seed = draw_cpu_seed();
@@ -266,11 +326,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> mha_bwd(
     const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
     const at::Tensor& softmax_lse, double dropout_p, std::optional<double> softmax_scale, bool causal,
     int64_t window_size_left, int64_t window_size_right, bool deterministic,
-    const std::optional<at::Tensor>& rng_state) {
+    const std::optional<at::Tensor>& rng_state, const std::optional<at::Tensor>& block_layout,
+    const std::optional<at::Tensor>& q_block_lists, const std::optional<at::Tensor>& k_block_lists) {
   const Shapes s = check_qkv(q, k, v);
   const double scale = default_scale(softmax_scale, s.d);
   check_scalars(dropout_p, scale, window_size_left, window_size_right);
   check_bwd_inputs(s, q, dout, out, softmax_lse, dropout_p, rng_state);
+  const BlockMask mask{block_layout, q_block_lists, k_block_lists};
+  check_block_mask(s, q, mask);
 
   const at::Tensor lse = softmax_lse.contiguous();
   const auto f32 = q.options().dtype(at::kFloat);
@@ -306,6 +369,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> mha_bwd(
     BwdParams p;
     set_fwd_params(p, s, qc, kc, vc, oc, lse, dropout_p, cscale, causal, window_size_left, window_size_right);
     p.d = int(d8);
+    set_block_mask(p, mask);
     p.do_ptr = doc.data_ptr();
     set_strides(doc, p.do_batch_stride, p.do_row_stride, p.do_head_stride);
     p.dq_ptr = dq.data_ptr();
@@ -349,6 +413,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> mha_bwd(
   at::Tensor dq_accum = at::empty({s.b, s.h, splits, s.seqlen_q, s.d}, f32);
   BwdParams p;
   set_fwd_params(p, s, qf, kf, vf, of, lse, dropout_p, scale, causal, window_size_left, window_size_right);
+  set_block_mask(p, mask);
   p.philox_seed = seed;
   p.philox_offset = offset;
   p.do_ptr = dof.data_ptr();
@@ -370,13 +435,15 @@ TORCH_LIBRARY(flash_attn, m) {
   m.set_python_module("flash_attn.ops");
   m.def(
       "fwd(Tensor q, Tensor k, Tensor v, float dropout_p=0., float? softmax_scale=None, bool causal=False, "
-      "int window_size_left=-1, int window_size_right=-1, bool return_softmax=False, bool deterministic=False) "
+      "int window_size_left=-1, int window_size_right=-1, bool return_softmax=False, bool deterministic=False, "
+      "Tensor? block_layout=None, Tensor? q_block_lists=None, Tensor? k_block_lists=None) "
       "-> (Tensor out, Tensor softmax_lse, Tensor S_dmask, Tensor rng_state)",
       {at::Tag::nondeterministic_seeded});
   m.def(
       "bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor softmax_lse, float dropout_p=0., "
       "float? softmax_scale=None, bool causal=False, int window_size_left=-1, int window_size_right=-1, "
-      "bool deterministic=False, Tensor? rng_state=None) -> (Tensor dq, Tensor dk, Tensor dv)");
+      "bool deterministic=False, Tensor? rng_state=None, Tensor? block_layout=None, Tensor? q_block_lists=None, "
+      "Tensor? k_block_lists=None) -> (Tensor dq, Tensor dk, Tensor dv)");
 }
 
 TORCH_LIBRARY_IMPL(flash_attn, CPU, m) {

@@ -62,6 +62,14 @@ struct FwdParams : QKVParams {
   bool philox_captured = false;
   int64_t* rng_state_ptr = nullptr;
 
+  // Block-sparse attention (optional): a mask over 128 x 128 (kMaskBlock) tiles of (queries,
+  // keys), broadcast over batch and heads where its dim is 1. The lists hold, per row, the
+  // count of kept blocks and then their indices in ascending order (padded with -1).
+  const bool* block_layout = nullptr;      // (mask_b, mask_h, mask_q_blocks, mask_k_blocks)
+  const int32_t* q_block_lists = nullptr;  // (mask_b, mask_h, mask_q_blocks, 1 + mask_k_blocks): key blocks
+  const int32_t* k_block_lists = nullptr;  // (mask_b, mask_h, mask_k_blocks, 1 + mask_q_blocks): query blocks
+  int mask_b = 1, mask_h = 1, mask_q_blocks = 0, mask_k_blocks = 0;
+
   DType dtype = DType::kFloat32;
 };
 

@@ -2,10 +2,15 @@
 
 from .version import __version__
 from . import ops  # loads the library, registers fake kernels and autograd
-from .interface import flash_attn_func, flash_attn_kvpacked_func, flash_attn_qkvpacked_func
+from .block_sparse import BlockSparseMask
+from .interface import (flash_attn_blocksparse_func, flash_attn_blocksparse_qkvpacked_func, flash_attn_func,
+                        flash_attn_kvpacked_func, flash_attn_qkvpacked_func)
 
 __all__ = [
     "__version__",
+    "BlockSparseMask",
+    "flash_attn_blocksparse_func",
+    "flash_attn_blocksparse_qkvpacked_func",
     "flash_attn_func",
     "flash_attn_kvpacked_func",
     "flash_attn_qkvpacked_func",

@@ -12,7 +12,7 @@ lengths; a query row with no kept block gets output 0.
 """
 
 from dataclasses import dataclass
-from typing import Optional, Sequence, Tuple, Union
+from typing import Optional, Sequence, Union
 
 import torch
 
@@ -38,12 +38,14 @@ def _as_4d(layout: torch.Tensor, name: str) -> torch.Tensor:
     return layout
 
 
-def _sorted_indices(kept: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Counts and indices of the True entries along the last dim, ascending, padded with -1."""
+def _index_lists(kept: torch.Tensor) -> torch.Tensor:
+    """Per row of the last dim: the count of True entries, then their indices ascending, padded
+    with -1 (int32, one more column than kept); the form the kernels read."""
     counts = kept.sum(-1, dtype=torch.int32)
     order = torch.argsort((~kept).to(torch.int8), dim=-1, stable=True).to(torch.int32)
     pos = torch.arange(kept.shape[-1], device=kept.device, dtype=torch.int32)
-    return counts, torch.where(pos < counts.unsqueeze(-1), order, torch.full_like(order, -1))
+    indices = torch.where(pos < counts.unsqueeze(-1), order, torch.full_like(order, -1))
+    return torch.cat([counts.unsqueeze(-1), indices], dim=-1).contiguous()
 
 
 @dataclass(frozen=True)
@@ -51,18 +53,32 @@ class BlockSparseMask:
     """A block layout in the kernels' granularity (BLOCK_SIZE x BLOCK_SIZE) with its index lists.
 
     layout: bool (B, H, q_blocks, k_blocks), B = batch or 1, H = heads or 1 (broadcast).
-    q_counts, q_indices: int32 (B, H, q_blocks) and (B, H, q_blocks, k_blocks): per query block,
-        how many key blocks are kept and which (ascending, then -1).
-    k_counts, k_indices: the same per key block over query blocks.
+    q_lists: int32 (B, H, q_blocks, 1 + k_blocks): per query block, the count of kept key blocks,
+        then their indices ascending, padded with -1 (q_counts / q_indices are views of it).
+    k_lists: int32 (B, H, k_blocks, 1 + q_blocks): the same per key block over query blocks.
     """
 
     layout: torch.Tensor
     seqlen_q: int
     seqlen_k: int
-    q_counts: torch.Tensor
-    q_indices: torch.Tensor
-    k_counts: torch.Tensor
-    k_indices: torch.Tensor
+    q_lists: torch.Tensor
+    k_lists: torch.Tensor
+
+    @property
+    def q_counts(self) -> torch.Tensor:
+        return self.q_lists[..., 0]
+
+    @property
+    def q_indices(self) -> torch.Tensor:
+        return self.q_lists[..., 1:]
+
+    @property
+    def k_counts(self) -> torch.Tensor:
+        return self.k_lists[..., 0]
+
+    @property
+    def k_indices(self) -> torch.Tensor:
+        return self.k_lists[..., 1:]
 
     @staticmethod
     def from_layout(layout: torch.Tensor, seqlen_q: int, seqlen_k: int,
@@ -83,14 +99,15 @@ class BlockSparseMask:
                              f"seqlen_k={seqlen_k} at block size {bm} x {bn}, got {tuple(layout.shape[-2:])}")
         fine = layout.repeat_interleave(bm // BLOCK_SIZE, dim=-2).repeat_interleave(bn // BLOCK_SIZE, dim=-1)
         fine = fine[..., :_num_blocks(seqlen_q), :_num_blocks(seqlen_k)].contiguous()
-        q_counts, q_indices = _sorted_indices(fine)
-        k_counts, k_indices = _sorted_indices(fine.transpose(-1, -2))
-        return BlockSparseMask(fine, seqlen_q, seqlen_k, q_counts, q_indices, k_counts, k_indices)
+        return BlockSparseMask(fine, seqlen_q, seqlen_k, _index_lists(fine), _index_lists(fine.transpose(-1, -2)))
 
     def to(self, device: Union[str, torch.device]) -> "BlockSparseMask":
-        return BlockSparseMask(self.layout.to(device), self.seqlen_q, self.seqlen_k,
-                               *(t.to(device) for t in (self.q_counts, self.q_indices, self.k_counts,
-                                                        self.k_indices)))
+        return BlockSparseMask(self.layout.to(device), self.seqlen_q, self.seqlen_k, self.q_lists.to(device),
+                               self.k_lists.to(device))
+
+    @property
+    def device(self) -> torch.device:
+        return self.layout.device
 
     @property
     def density(self) -> float:

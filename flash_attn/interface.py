@@ -9,6 +9,7 @@ from typing import Optional, Tuple
 import torch
 
 from . import ops
+from .block_sparse import BlockSparseMask
 
 
 def _unsupported(softcap: float, alibi_slopes: Optional[torch.Tensor]) -> None:
@@ -24,12 +25,27 @@ def _window(window_size: Tuple[int, int]) -> Tuple[int, int]:
     return int(window_size[0]), int(window_size[1])
 
 
+def _block_mask_tensors(block_mask, q, k) -> tuple:
+    if block_mask is None:
+        return ()
+    if isinstance(block_mask, torch.Tensor):  # a layout at the kernels' granularity, built on the fly
+        block_mask = BlockSparseMask.from_layout(block_mask, q.shape[1], k.shape[1])
+    if not isinstance(block_mask, BlockSparseMask):
+        raise TypeError(f"flash_attn: block_mask must be a BlockSparseMask or a bool layout tensor, got "
+                        f"{type(block_mask).__name__}")
+    if (block_mask.seqlen_q, block_mask.seqlen_k) != (q.shape[1], k.shape[1]):
+        raise ValueError(f"flash_attn: block_mask was built for seqlen_q={block_mask.seqlen_q}, "
+                         f"seqlen_k={block_mask.seqlen_k}, got q and k with seqlen {q.shape[1]} and {k.shape[1]}")
+    return block_mask.layout, block_mask.q_lists, block_mask.k_lists
+
+
 def _attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-               deterministic, return_attn_probs):
+               deterministic, return_attn_probs, block_mask=None):
     _unsupported(softcap, alibi_slopes)
     left, right = _window(window_size)
     out, softmax_lse, s_dmask, _ = ops.fwd(q, k, v, float(dropout_p), softmax_scale, bool(causal), left, right,
-                                           bool(return_attn_probs), bool(deterministic))
+                                           bool(return_attn_probs), bool(deterministic),
+                                           *_block_mask_tensors(block_mask, q, k))
     return (out, softmax_lse, s_dmask) if return_attn_probs else out
 
 
@@ -66,3 +82,30 @@ def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=Fa
         raise ValueError(f"flash_attn: kv must have shape (batch, seqlen_k, 2, nheads_k, headdim), got {tuple(kv.shape)}")
     return _attention(q, kv[:, :, 0], kv[:, :, 1], dropout_p, softmax_scale, causal, window_size, softcap,
                       alibi_slopes, deterministic, return_attn_probs)
+
+
+def flash_attn_blocksparse_func(q, k, v, block_mask, dropout_p=0.0, softmax_scale=None, causal=False,
+                                window_size=(-1, -1), deterministic=False, return_attn_probs=False):
+    """Block-sparse attention: flash_attn_func computed only on the (query block, key block) tiles
+    that block_mask keeps; every other tile is skipped, forward and backward.
+
+    block_mask: a BlockSparseMask (build it once with BlockSparseMask.from_layout and reuse it across
+    layers and steps; it must be on q's device) or a bool layout of shape ([batch or 1,] [nheads or
+    1,] ceil(seqlen_q / 128), ceil(seqlen_k / 128)). The result equals dense attention with the
+    element-wise mask that expands each kept block (and causal / window_size on top); a query row
+    with no kept key gets output 0 and softmax_lse -inf. Other arguments and the return values are
+    flash_attn_func's.
+    """
+    if block_mask is None:
+        raise TypeError("flash_attn: block_mask is required (use flash_attn_func for dense attention)")
+    return _attention(q, k, v, dropout_p, softmax_scale, causal, window_size, 0.0, None, deterministic,
+                      return_attn_probs, block_mask)
+
+
+def flash_attn_blocksparse_qkvpacked_func(qkv, block_mask, dropout_p=0.0, softmax_scale=None, causal=False,
+                                          window_size=(-1, -1), deterministic=False, return_attn_probs=False):
+    """flash_attn_blocksparse_func on qkv of shape (batch, seqlen, 3, nheads, headdim)."""
+    if qkv.dim() != 5 or qkv.shape[2] != 3:
+        raise ValueError(f"flash_attn: qkv must have shape (batch, seqlen, 3, nheads, headdim), got {tuple(qkv.shape)}")
+    return flash_attn_blocksparse_func(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], block_mask, dropout_p,
+                                       softmax_scale, causal, window_size, deterministic, return_attn_probs)

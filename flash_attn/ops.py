@@ -14,7 +14,8 @@ bwd = torch.ops.flash_attn.bwd.default
 
 @torch.library.register_fake("flash_attn::fwd")
 def _fwd_fake(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size_left=-1,
-              window_size_right=-1, return_softmax=False, deterministic=False):
+              window_size_right=-1, return_softmax=False, deterministic=False, block_layout=None,
+              q_block_lists=None, k_block_lists=None):
     b, sq, h, d = q.shape
     sk = k.shape[1]
     out = q.new_empty((b, sq, h, d))
@@ -26,24 +27,26 @@ def _fwd_fake(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_s
 
 @torch.library.register_fake("flash_attn::bwd")
 def _bwd_fake(dout, q, k, v, out, softmax_lse, dropout_p=0.0, softmax_scale=None, causal=False,
-              window_size_left=-1, window_size_right=-1, deterministic=False, rng_state=None):
+              window_size_left=-1, window_size_right=-1, deterministic=False, rng_state=None, block_layout=None,
+              q_block_lists=None, k_block_lists=None):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 def _fwd_setup_context(ctx, inputs, output):
-    q, k, v, dropout_p, softmax_scale, causal, window_left, window_right, _, deterministic = inputs
+    q, k, v, dropout_p, softmax_scale, causal, window_left, window_right, _, deterministic = inputs[:10]
+    block_mask = tuple(inputs[10:13]) + (None,) * (13 - len(inputs))  # layout, q lists, k lists or Nones
     out, lse, _, rng_state = output
-    ctx.save_for_backward(q, k, v, out, lse, rng_state)
+    ctx.save_for_backward(q, k, v, out, lse, rng_state, *block_mask)
     ctx.args = (dropout_p, softmax_scale, causal, window_left, window_right, deterministic)
     ctx.mark_non_differentiable(lse, output[2], rng_state)
 
 
 def _fwd_backward(ctx, dout, *_unused_grads):
-    q, k, v, out, lse, rng_state = ctx.saved_tensors
+    q, k, v, out, lse, rng_state, *block_mask = ctx.saved_tensors
     dropout_p, softmax_scale, causal, window_left, window_right, deterministic = ctx.args
     dq, dk, dv = bwd(dout.contiguous() if dout.stride(-1) != 1 else dout, q, k, v, out, lse, dropout_p,
-                     softmax_scale, causal, window_left, window_right, deterministic, rng_state)
-    return dq, dk, dv, None, None, None, None, None, None, None
+                     softmax_scale, causal, window_left, window_right, deterministic, rng_state, *block_mask)
+    return (dq, dk, dv) + (None,) * 10
 
 
 torch.library.register_autograd("flash_attn::fwd", _fwd_backward, setup_context=_fwd_setup_context)

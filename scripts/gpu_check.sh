@@ -5,7 +5,7 @@ set -uo pipefail
 OUT="${OUT:-/tmp/gpu_check}"; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader | tee "$OUT/gpu.txt"
-python3 -m pytest tests/test_attention_gpu.py -q -rs --maxfail=15 --tb=line ${1:+-k "$1"} 2>&1 | tee "$OUT/pytest_gpu.log" | tail -25
+python3 -m pytest tests/test_attention_gpu.py tests/test_block_sparse.py -q -rs --maxfail=15 --tb=line ${1:+-k "$1"} 2>&1 | tee "$OUT/pytest_gpu.log" | tail -25
 for tool in memcheck racecheck; do
   compute-sanitizer --tool $tool --error-exitcode 9 python3 scripts/sanitize_kernels.py > "$OUT/sanitize_$tool.log" 2>&1
   echo "compute-sanitizer $tool: rc=$? $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/sanitize_$tool.log" | tail -1)"

@@ -7,6 +7,7 @@
 #include <limits>
 #include <vector>
 
+#include "../block_mask.h"
 #include "cpu_gemm.h"
 #include "dropout_tile.h"
 #include "flash_cpu.h"
@@ -18,11 +19,13 @@ namespace {
 
 constexpr int kBlockM = 64;   // query rows per tile
 constexpr int kBlockN = 128;  // keys per block
+static_assert(kMaskBlock % kBlockM == 0 && kMaskBlock == kBlockN, "a tile lies in one mask block");
 constexpr float kLog2e = 1.4426950408889634f;
 
 struct HeadGrads {
   const float *q, *k, *v, *o, *dout, *lse;
   float *dk_accum, *dv_accum;
+  int b, h;
   uint32_t bh;
 };
 
@@ -34,6 +37,8 @@ HeadGrads head_grads(const BwdParams& p, int b, int h) {
   g.v = static_cast<const float*>(p.v_ptr) + b * p.v_batch_stride + hk * p.v_head_stride;
   g.o = static_cast<const float*>(p.o_ptr) + b * p.o_batch_stride + h * p.o_head_stride;
   g.dout = static_cast<const float*>(p.do_ptr) + b * p.do_batch_stride + h * p.do_head_stride;
+  g.b = b;
+  g.h = h;
   g.bh = uint32_t(int64_t(b) * p.h + h);
   g.lse = p.softmax_lse_ptr + int64_t(g.bh) * p.seqlen_q;
   g.dk_accum = p.dk_accum_ptr + int64_t(g.bh) * p.seqlen_k * p.d;
@@ -105,7 +110,8 @@ void head_backward(const BwdParams& p, const HeadGrads& g, int block_begin, int 
     std::fill(w.dv.begin(), w.dv.end(), 0.f);
     for (int i0 = 0; i0 < p.seqlen_q; i0 += kBlockM) {
       const int rows = std::min(kBlockM, p.seqlen_q - i0);
-      if (tile_visible(p, i0, i0 + rows, j0, j0 + cols)) tile_step(p, g, i0, rows, j0, cols, dq, w);
+      if (tile_visible(p, i0, i0 + rows, j0, j0 + cols) && block_kept(p, g.b, g.h, i0 / kMaskBlock, j0 / kMaskBlock))
+        tile_step(p, g, i0, rows, j0, cols, dq, w);
     }
     std::copy(w.dk.begin(), w.dk.begin() + int64_t(cols) * d, g.dk_accum + int64_t(j0) * d);
     std::copy(w.dv.begin(), w.dv.begin() + int64_t(cols) * d, g.dv_accum + int64_t(j0) * d);

@@ -6,6 +6,7 @@
 #include <limits>
 #include <vector>
 
+#include "../block_mask.h"
 #include "cpu_gemm.h"
 #include "dropout_tile.h"
 #include "flash_cpu.h"
@@ -15,8 +16,8 @@
 namespace flash::cpu {
 namespace {
 
-constexpr int kBlockM = 256;  // query rows per task
-constexpr int kBlockN = 512;  // keys per tile
+constexpr int kBlockM = 256;  // query rows per task (kMaskBlock with a block mask)
+constexpr int kBlockN = 512;  // keys per tile (kMaskBlock with a block mask)
 constexpr float kLn2 = 0.6931471805599453f;
 constexpr float kInf = std::numeric_limits<float>::infinity();
 
@@ -27,6 +28,7 @@ struct HeadView {
   float* o;
   float* lse;
   float* probs;  // (seqlen_q, seqlen_k) for this head, or nullptr
+  int b, h;
   uint32_t bh;
 };
 
@@ -37,6 +39,8 @@ HeadView head_view(const FwdParams& p, int b, int h) {
   v.k = static_cast<const float*>(p.k_ptr) + b * p.k_batch_stride + hk * p.k_head_stride;
   v.v = static_cast<const float*>(p.v_ptr) + b * p.v_batch_stride + hk * p.v_head_stride;
   v.o = static_cast<float*>(p.o_ptr) + b * p.o_batch_stride + h * p.o_head_stride;
+  v.b = b;
+  v.h = h;
   v.bh = uint32_t(int64_t(b) * p.h + h);
   v.lse = p.softmax_lse_ptr + int64_t(v.bh) * p.seqlen_q;
   v.probs = p.p_ptr ? p.p_ptr + int64_t(v.bh) * p.seqlen_q * p.seqlen_k : nullptr;
@@ -61,16 +65,33 @@ void score_tile(const FwdParams& p, const HeadView& hv, int i0, int rows, int j0
                       p.dropout_threshold16);
 }
 
+// Calls f(j0, cols) for the key tiles that query rows [i0, i0 + rows) visit, ascending: kBlockN
+// wide over the keys the rows can see, or, with a block mask, those keys' kept mask blocks.
+template <typename F>
+void for_each_key_tile(const FwdParams& p, const HeadView& hv, int i0, int rows, F&& f) {
+  const ColRange span = block_cols(p, i0, i0 + rows);
+  const int32_t* kept = kept_key_blocks(p, hv.b, hv.h, i0 / kMaskBlock);
+  if (kept == nullptr) {
+    for (int j0 = span.lo - span.lo % kBlockN; j0 < span.hi; j0 += kBlockN) f(j0, std::min(kBlockN, p.seqlen_k - j0));
+    return;
+  }
+  const TileSeq tiles = tile_seq<kMaskBlock>(kept, span.lo / kMaskBlock, ceil_div(span.hi, kMaskBlock));
+  for (int i = 0; i < tiles.count; ++i) {
+    const int j0 = tiles[i] * kMaskBlock;
+    f(j0, std::min(kMaskBlock, p.seqlen_k - j0));
+  }
+}
+
+int query_block_rows(const FwdParams& p) { return p.q_block_lists != nullptr ? kMaskBlock : kBlockM; }
+
 void query_block(const FwdParams& p, const HeadView& hv, int i0, Scratch& w) {
-  const int rows = std::min(kBlockM, p.seqlen_q - i0), d = p.d;
+  const int rows = std::min(query_block_rows(p), p.seqlen_q - i0), d = p.d;
   const bool dropout = p.p_dropout > 0.f;
   std::fill(w.acc.begin(), w.acc.end(), 0.f);
   std::fill(w.m.begin(), w.m.end(), -kInf);
   std::fill(w.l.begin(), w.l.end(), 0.f);
 
-  const ColRange span = block_cols(p, i0, i0 + rows);
-  for (int j0 = span.lo - span.lo % kBlockN; j0 < span.hi; j0 += kBlockN) {
-    const int cols = std::min(kBlockN, p.seqlen_k - j0);
+  for_each_key_tile(p, hv, i0, rows, [&](int j0, int cols) {
     score_tile(p, hv, i0, rows, j0, cols, w);
     for (int r = 0; r < rows; ++r) {
       float* srow = w.s.data() + r * kBlockN;
@@ -92,7 +113,7 @@ void query_block(const FwdParams& p, const HeadView& hv, int i0, Scratch& w) {
     // acc += P V
     gemm_rowmajor(false, false, rows, d, cols, 1.f, w.s.data(), kBlockN, hv.v + j0 * p.v_row_stride,
                   p.v_row_stride, 1.f, w.acc.data(), d);
-  }
+  });
 
   for (int r = 0; r < rows; ++r) {
     float* orow = hv.o + (i0 + r) * p.o_row_stride;
@@ -105,7 +126,7 @@ void query_block(const FwdParams& p, const HeadView& hv, int i0, Scratch& w) {
 
 // The exact probabilities for return_attn_probs: recomputed once the row's logsumexp is known.
 void write_probs(const FwdParams& p, const HeadView& hv, int i0, Scratch& w) {
-  const int rows = std::min(kBlockM, p.seqlen_q - i0);
+  const int rows = std::min(query_block_rows(p), p.seqlen_q - i0);
   const bool dropout = p.p_dropout > 0.f;
   constexpr float kLog2e = 1.4426950408889634f;
   for (int j0 = 0; j0 < p.seqlen_k; j0 += kBlockN) {
@@ -117,7 +138,8 @@ void write_probs(const FwdParams& p, const HeadView& hv, int i0, Scratch& w) {
       const ColRange c = clip_to_tile(row_cols(p, i0 + r), j0, cols);
       const float shift = hv.lse[i0 + r] * kLog2e;
       for (int col = 0; col < cols; ++col) {
-        float prob = (col >= c.lo && col < c.hi) ? std::exp2(srow[col] * p.scale_softmax_log2 - shift) : 0.f;
+        const bool kept = block_kept(p, hv.b, hv.h, (i0 + r) / kMaskBlock, (j0 + col) / kMaskBlock);
+        float prob = (kept && col >= c.lo && col < c.hi) ? std::exp2(srow[col] * p.scale_softmax_log2 - shift) : 0.f;
         if (dropout && !w.keep[r * kBlockN + col]) prob = -prob;  // dropped: stored negated
         dst[col] = prob;
       }
@@ -128,7 +150,7 @@ void write_probs(const FwdParams& p, const HeadView& hv, int i0, Scratch& w) {
 }  // namespace
 
 void run_fwd(const FwdParams& p) {
-  const int n_mblocks = ceil_div(p.seqlen_q, kBlockM);
+  const int block_m = query_block_rows(p), n_mblocks = ceil_div(p.seqlen_q, block_m);
   const int64_t tasks = int64_t(p.b) * p.h * n_mblocks;
   if (tasks == 0) return;
   at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
@@ -138,8 +160,8 @@ void run_fwd(const FwdParams& p) {
       const int h = int((t / n_mblocks) % p.h);
       const int b = int(t / (int64_t(n_mblocks) * p.h));
       const HeadView hv = head_view(p, b, h);
-      query_block(p, hv, mb * kBlockM, w);
-      if (hv.probs) write_probs(p, hv, mb * kBlockM, w);
+      query_block(p, hv, mb * block_m, w);
+      if (hv.probs) write_probs(p, hv, mb * block_m, w);
     }
   });
 }

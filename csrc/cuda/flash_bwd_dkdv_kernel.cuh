@@ -20,6 +20,24 @@ __device__ __forceinline__ void query_row_range(const FwdParams& p, int j0, int 
   end = p.window_size_left < 0 ? p.seqlen_q : min(p.seqlen_q, j1 - shift + p.window_size_left);
 }
 
+// The query blocks [mb_begin, mb_end) of kM rows that can see some key of [j0, j0 + kN).
+template <int kM, int kN>
+__device__ __forceinline__ void query_block_range(const FwdParams& p, int j0, int& mb_begin, int& mb_end) {
+  int i_begin, i_end;
+  query_row_range(p, j0, min(j0 + kN, p.seqlen_k), i_begin, i_end);
+  mb_begin = i_begin / kM;
+  mb_end = i_begin < i_end ? (i_end + kM - 1) / kM : mb_begin;
+}
+
+// The query blocks of kM rows that keys [j0, j0 + kN) of head (b, h) visit, ascending: the range
+// above, cut to the block mask's kept blocks when there is one (the keys lie in one mask block).
+template <int kM, int kN>
+__device__ __forceinline__ TileSeq query_tiles(const FwdParams& p, int b, int h, int j0) {
+  int mb_begin, mb_end;
+  query_block_range<kM, kN>(p, j0, mb_begin, mb_end);
+  return tile_seq<kM>(kept_query_blocks(p, b, h, j0 / kMaskBlock), mb_begin, mb_end);
+}
+
 // Store a (16 kMT x kN) accumulator at (row0, col0) of a shared-memory tile as 16-bit values.
 template <typename Elem, int kMT, int kN, int kStride>
 __device__ __forceinline__ void store_acc_smem(Elem* s, const float (&acc)[kMT][kN / 8][4], int lane) {
@@ -108,9 +126,7 @@ __global__ void __launch_bounds__(T::kNThreads, 1) flash_bwd_dkdv_kernel(const B
   const int kv_n0 = (warp % T::kWarpsNKV) * kMTKV * 16, kv_d0 = (warp / T::kWarpsNKV) * kDKV;
   const int q_m0 = (warp % T::kWarpsMQ) * kMTQ * 16, q_d0 = (warp / T::kWarpsMQ) * kDQ;
 
-  int i_begin, i_end;
-  query_row_range(p, j0, min(j0 + kN, p.seqlen_k), i_begin, i_end);
-  const int mb_begin = i_begin / kM, mb_end = i_begin < i_end ? (i_end + kM - 1) / kM : mb_begin;
+  const TileSeq qtiles = query_tiles<kM, kN>(p, b, h, j0);
   static_assert(T::kNThreads >= 2 * kM, "one thread per row statistic");
   const auto load_q = [&](int mb, int stage) {  // Q with its rows' logsumexp and D
     const int i0 = mb * kM;
@@ -129,9 +145,10 @@ __global__ void __launch_bounds__(T::kNThreads, 1) flash_bwd_dkdv_kernel(const B
 
   load_tile_async<kN, kD, T::kNThreads>(sK, hp.k + j0 * p.k_row_stride, p.k_row_stride, p.seqlen_k - j0, p.d, tid);
   load_tile_async<kN, kD, T::kNThreads>(sV, hp.v + j0 * p.v_row_stride, p.v_row_stride, p.seqlen_k - j0, p.d, tid);
-  if (mb_begin < mb_end) {
-    load_q(mb_begin, 0);
-    load_do(mb_begin);
+  TileWalk qw(qtiles);
+  if (qw.more()) {
+    load_q(qw.tile, 0);
+    load_do(qw.tile);
   }
   cp_async_commit();
 
@@ -139,14 +156,15 @@ __global__ void __launch_bounds__(T::kNThreads, 1) flash_bwd_dkdv_kernel(const B
   zero<kDKV>(dk);
   zero<kDKV>(dv);
 
-  for (int mb = mb_begin; mb < mb_end; ++mb) {
-    const int i0 = mb * kM, stage = T::kQStages == 2 ? (mb - mb_begin) & 1 : 0;
-    const bool has_next = mb + 1 < mb_end;
+  for (; qw.more(); qw.advance()) {
+    const int i0 = qw.tile * kM, stage = T::kQStages == 2 ? qw.step & 1 : 0;
+    const bool has_next = qw.has_next();
+    const int next = qw.next;
     const Elem* sQc = sQ + stage * T::kSmemQ;
     cp_async_wait<0>();
     __syncthreads();  // Q and dO are in; every warp is done with the previous P, dS and Q buffer
     if (T::kQStages == 2 && has_next) {
-      load_q(mb + 1, stage ^ 1);
+      load_q(next, stage ^ 1);
       cp_async_commit();
     }
 
@@ -202,13 +220,13 @@ __global__ void __launch_bounds__(T::kNThreads, 1) flash_bwd_dkdv_kernel(const B
     gemm_smem<Elem, kMTKV, kDKV, kM, kSP, kS, true, true>(dv, sP + kv_n0, sdO + kv_d0, lane);  // dV += P^T dO
     if (has_next) {
       __syncthreads();  // every warp is done with dO
-      load_do(mb + 1);
+      load_do(next);
       cp_async_commit();
     }
     gemm_smem<Elem, kMTKV, kDKV, kM, kSP, kS, true, true>(dk, sdS + kv_n0, sQc + kv_d0, lane);  // dK += dS^T Q
     if (T::kQStages == 1 && has_next) {
       __syncthreads();  // every warp is done with Q
-      load_q(mb + 1, 0);
+      load_q(next, 0);
       cp_async_commit();
     }
     if constexpr (T::kDoDQ) {

@@ -77,15 +77,14 @@ __global__ void __launch_bounds__(T::kNThreads) flash_bwd_dq_kernel(const BwdPar
       dsum[mt][hr] = ok ? p.dsoftmax_sum_ptr[int64_t(hp.bh) * p.seqlen_q + row] : 0.f;
     }
 
-  int n_begin, n_end;
-  key_block_range<kN>(p, m0, kM, n_begin, n_end);
+  const TileSeq tiles = key_tiles<kN>(p, b, h, m0, kM);
   load_tile_async<kM, kD, T::kNThreads>(sQ, hp.q + m0 * p.q_row_stride, p.q_row_stride, p.seqlen_q - m0, p.d, tid);
   load_tile_async<kM, kD, T::kNThreads>(sdO, dout + m0 * p.do_row_stride, p.do_row_stride, p.seqlen_q - m0, p.d, tid);
 
   float dq[kMT][kD / 8][4];
   zero<kD>(dq);
-  for (int nb = n_begin; nb < n_end; ++nb) {
-    const int j0 = nb * kN;
+  for (int it = 0; it < tiles.count; ++it) {
+    const int j0 = tiles[it] * kN;
     load_tile_async<kN, kD, T::kNThreads>(sK, hp.k + j0 * p.k_row_stride, p.k_row_stride, p.seqlen_k - j0, p.d, tid);
     load_tile_async<kN, kD, T::kNThreads>(sV, hp.v + j0 * p.v_row_stride, p.v_row_stride, p.seqlen_k - j0, p.d, tid);
     cp_async_commit();

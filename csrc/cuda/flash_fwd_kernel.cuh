@@ -4,6 +4,7 @@
 // logsumexp are written once.
 #pragma once
 
+#include "../block_mask.h"
 #include "../flash_params.h"
 #include "dropout_frag.cuh"
 #include "kernel_traits.cuh"
@@ -40,6 +41,15 @@ __device__ __forceinline__ void key_block_range(const FwdParams& p, int m0, int 
   const ColRange first_r = cols_of(p, m0), last_r = cols_of(p, last);
   begin = first_r.lo / kBlockN;
   end = (max(first_r.lo, last_r.hi) + kBlockN - 1) / kBlockN;
+}
+
+// The key blocks the query rows [m0, m0 + rows) of head (b, h) visit, ascending: the range above,
+// cut to the block mask's kept blocks when there is one (rows lie within one mask block).
+template <int kBlockN>
+__device__ __forceinline__ TileSeq key_tiles(const FwdParams& p, int b, int h, int m0, int rows) {
+  int begin, end;
+  key_block_range<kBlockN>(p, m0, rows, begin, end);
+  return tile_seq<kBlockN>(kept_key_blocks(p, b, h, m0 / kMaskBlock), begin, end);
 }
 
 // Zero the dropped probabilities of a query-major (16 x kN) tile at (i16, j0).
@@ -100,8 +110,7 @@ __global__ void __launch_bounds__(T::kNThreads) flash_fwd_kernel(const FwdParams
     }
   }
 
-  int n_begin, n_end;
-  key_block_range<kN>(p, m0, kM, n_begin, n_end);
+  const TileSeq tiles = key_tiles<kN>(p, b, h, m0, kM);
   const int warp_row = warp * 16 * kMT;  // first query of this warp, relative to m0
 
   float acc[kMT][kD / 8][4];
@@ -122,14 +131,15 @@ __global__ void __launch_bounds__(T::kNThreads) flash_fwd_kernel(const FwdParams
                                           p.seqlen_k - nb * kN, p.d, tid);
   };
   load_tile_async<kM, kD, T::kNThreads>(sQ, hp.q + m0 * p.q_row_stride, p.q_row_stride, p.seqlen_q - m0, p.d, tid);
-  if (n_begin < n_end) {
-    load_k(n_begin, sK);
-    if (T::kKVStages == 2) load_v(n_begin, sV);
+  if (tiles.count > 0) {
+    load_k(tiles[0], sK);
+    if (T::kKVStages == 2) load_v(tiles[0], sV);
   }
   cp_async_commit();
 
-  for (int nb = n_begin; nb < n_end; ++nb) {
-    const int j0 = nb * kN, cur = T::kKVStages == 2 ? (nb - n_begin) & 1 : 0;
+  for (int it = 0; it < tiles.count; ++it) {
+    const int nb = tiles[it], j0 = nb * kN, cur = T::kKVStages == 2 ? it & 1 : 0;
+    const bool has_next = it + 1 < tiles.count;
     Elem* sKc = sK + cur * T::kSmemKV;
     Elem* sVc = sV + cur * T::kSmemKV;
     cp_async_wait<0>();
@@ -137,9 +147,9 @@ __global__ void __launch_bounds__(T::kNThreads) flash_fwd_kernel(const FwdParams
     if (T::kKVStages == 1) {
       load_v(nb, sV);
       cp_async_commit();
-    } else if (nb + 1 < n_end) {
-      load_k(nb + 1, sK + (cur ^ 1) * T::kSmemKV);
-      load_v(nb + 1, sV + (cur ^ 1) * T::kSmemKV);
+    } else if (has_next) {
+      load_k(tiles[it + 1], sK + (cur ^ 1) * T::kSmemKV);
+      load_v(tiles[it + 1], sV + (cur ^ 1) * T::kSmemKV);
       cp_async_commit();
     }
 
@@ -154,8 +164,8 @@ __global__ void __launch_bounds__(T::kNThreads) flash_fwd_kernel(const FwdParams
     if (T::kKVStages == 1) {
       cp_async_wait<0>();
       __syncthreads();  // V_j is in; every warp is done with K_j
-      if (nb + 1 < n_end) {
-        load_k(nb + 1, sK);
+      if (has_next) {
+        load_k(tiles[it + 1], sK);
         cp_async_commit();
       }
     }
@@ -198,6 +208,7 @@ __global__ void __launch_bounds__(T::kNThreads) flash_fwd_probs_kernel(const Fwd
     cp_async_commit();
     cp_async_wait<0>();
     __syncthreads();
+    const bool kept = block_kept(p, b, h, m0 / kMaskBlock, j0 / kMaskBlock);
     for (int mt = 0; mt < T::kMTiles; ++mt) {  // 16-row tiles of this warp, one at a time
     const int i16 = m0 + (warp * T::kMTiles + mt) * 16, row0 = i16 + g;
     const ColRange rows[2] = {cols_of(p, row0), cols_of(p, row0 + 8)};
@@ -224,7 +235,7 @@ __global__ void __launch_bounds__(T::kNThreads) flash_fwd_probs_kernel(const Fwd
       for (int r = 0; r < 4; ++r) {
         const int row = row0 + 8 * (r >> 1), col = j0 + n * 8 + 2 * t + (r & 1);
         if (row >= p.seqlen_q || col >= p.seqlen_k) continue;
-        float prob = fast_exp2(s[n][r] - lse2[r >> 1]);
+        float prob = kept ? fast_exp2(s[n][r] - lse2[r >> 1]) : 0.f;
         if (dropout && !keep[n / 2][n % 2][r]) prob = -prob;
         p.p_ptr[(int64_t(hp.bh) * p.seqlen_q + row) * p.seqlen_k + col] = prob;
       }

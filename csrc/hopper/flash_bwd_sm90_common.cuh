@@ -48,15 +48,6 @@ __device__ __forceinline__ void load_q_do_stats(SmemTile&& sQ, SmemTile&& sdO, f
                      i < p.seqlen_q);
 }
 
-// The query blocks [mb_begin, mb_end) of kM rows that can see some key of [j0, j0 + kN).
-template <int kM, int kN>
-__device__ __forceinline__ void query_block_range(const FwdParams& p, int j0, int& mb_begin, int& mb_end) {
-  int i_begin, i_end;
-  cuda::query_row_range(p, j0, min(j0 + kN, p.seqlen_k), i_begin, i_end);
-  mb_begin = i_begin / kM;
-  mb_end = i_begin < i_end ? (i_end + kM - 1) / kM : mb_begin;
-}
-
 // Queue the cp.async loads of the CTA's K and V tiles (keys [j0, j0 + kN); rows past seqlen_k
 // and columns past d are zero-filled).
 template <int kN, int kD, int kThreads, typename Elem, typename SmemTile>
@@ -68,34 +59,38 @@ __device__ __forceinline__ void load_k_v(SmemTile& sK, SmemTile& sV, const BwdHe
                                        p.d, tid);
 }
 
-// The double-buffered stream of query blocks [mb_begin, mb_end): block mb's Q, dO, logsumexp
-// and D land in stage (mb - mb_begin) % 2 of the (kM x kD x 2) tiles sQ, sdO and of sLse, sDsum.
+// The double-buffered stream of the query blocks a key block visits (walk over query_tiles):
+// step s's block of Q, dO, logsumexp and D lands in stage s % 2 of the (kM x kD x 2) tiles sQ,
+// sdO and of sLse, sDsum.
 template <int kM, int kD, int kThreads, typename Elem, typename SmemQ>
 struct QueryBlockStream {
   SmemQ sQ, sdO;
   float *sLse, *sDsum;
   const BwdHeadPtrs<Elem>& hp;
   const BwdParams& p;
-  int tid, mb_begin, mb_end;
+  int tid;
+  TileWalk walk;
 
-  __device__ __forceinline__ int stage(int mb) const { return (mb - mb_begin) & 1; }
-  __device__ __forceinline__ void load(int mb) {
-    const int st = stage(mb);
+  __device__ __forceinline__ void load(int mb, int st) {
     load_q_do_stats<kM, kD, kThreads>(sQ(cute::_, cute::_, st), sdO(cute::_, cute::_, st), sLse + st * kM,
                                       sDsum + st * kM, hp, p, mb * kM, tid);
   }
-  // Step mb begins: its tiles are waited for and published to the CTA and the tensor cores (the
-  // barrier also means every thread is done with step mb - 1), then block mb + 1 is queued into
-  // the other stage. Returns mb's stage.
-  __device__ __forceinline__ int begin_step(int mb) {
+  __device__ __forceinline__ void load_first() {
+    if (walk.more()) load(walk.tile, 0);
+  }
+  // The current step begins: its tiles are waited for and published to the CTA and the tensor
+  // cores (the barrier also means every thread is done with the previous step), then the next
+  // step's block is queued into the other stage. Returns the current step's stage.
+  __device__ __forceinline__ int begin_step() {
     cuda::cp_async_wait<0>();
     fence_proxy_async_smem();
     __syncthreads();
-    if (mb + 1 < mb_end) {
-      load(mb + 1);
+    const int st = walk.step & 1;
+    if (walk.has_next()) {
+      load(walk.next, st ^ 1);
       cuda::cp_async_commit();
     }
-    return stage(mb);
+    return st;
   }
 };
 

@@ -73,17 +73,16 @@ __global__ void __launch_bounds__(T::kNThreads, 1) flash_bwd_sm90_kernel(const B
   float(&dk)[kD / 8][4] = as_rows16<kD>(tdKrdK);
   float(&dq)[T::kDqN / 8][4] = as_rows16<T::kDqN>(tdQrdQ);
 
-  int mb_begin, mb_end;
-  query_block_range<kM, kN>(p, j0, mb_begin, mb_end);
-  QueryBlockStream<kM, kD, T::kNThreads, Elem, decltype(sQ)> qblocks{sQ, sdO, sLse, sDsum, hp, p, tid, mb_begin, mb_end};
+  const TileWalk query_walk(cuda::query_tiles<kM, kN>(p, b, h, j0));
+  QueryBlockStream<kM, kD, T::kNThreads, Elem, decltype(sQ)> qblocks{sQ, sdO, sLse, sDsum, hp, p, tid, query_walk};
   load_k_v<kN, kD, T::kNThreads>(sK, sV, hp, p, j0, tid);
-  if (mb_begin < mb_end) qblocks.load(mb_begin);
+  qblocks.load_first();
   cp_async_commit();
   cuda::zero<kD>(dk);
   cuda::zero<kD>(dv);
 
-  for (int mb = mb_begin; mb < mb_end; ++mb) {
-    const int i0 = mb * kM, stage = qblocks.begin_step(mb);  // all done with dS too
+  for (; qblocks.walk.more(); qblocks.walk.advance()) {
+    const int i0 = qblocks.walk.tile * kM, stage = qblocks.begin_step();  // all done with dS too
     wgmma_gemm<true, -1>(mma_sdp, tSrK, tSrQ(_, _, _, stage), tSrS);
     wgmma_gemm<true, -1>(mma_sdp, tSrV, tSrdO(_, _, _, stage), tSrdP);
 

@@ -68,17 +68,16 @@ __global__ void __launch_bounds__(T::kNThreads, 1) flash_bwd_sm90_split_d_kernel
   float(&dk)[kDS / 8][4] = as_rows16<kDS>(tdKrdK);
   float(&dq)[kDS / 8][4] = as_rows16<kDS>(tdQrdQ);
 
-  int mb_begin, mb_end;
-  query_block_range<kM, kN>(p, j0, mb_begin, mb_end);
-  QueryBlockStream<kM, kD, T::kNThreads, Elem, decltype(sQ)> qblocks{sQ, sdO, sLse, sDsum, hp, p, tid, mb_begin, mb_end};
+  const TileWalk query_walk(cuda::query_tiles<kM, kN>(p, b, h, j0));
+  QueryBlockStream<kM, kD, T::kNThreads, Elem, decltype(sQ)> qblocks{sQ, sdO, sLse, sDsum, hp, p, tid, query_walk};
   load_k_v<kN, kD, T::kNThreads>(sK, sV, hp, p, j0, tid);
-  if (mb_begin < mb_end) qblocks.load(mb_begin);
+  qblocks.load_first();
   cp_async_commit();
   cuda::zero<kDS>(dk);
   cuda::zero<kDS>(dv);
 
-  for (int mb = mb_begin; mb < mb_end; ++mb) {
-    const int i0 = mb * kM, stage = qblocks.begin_step(mb);  // all done with P^T, dS^T too
+  for (; qblocks.walk.more(); qblocks.walk.advance()) {
+    const int i0 = qblocks.walk.tile * kM, stage = qblocks.begin_step();  // all done with P^T, dS^T too
     if (wg < 2) wgmma_gemm<true, 0>(mma_sdp, tSrA, tSrB(_, _, _, stage), tSrX);
 
     // Warpgroup 0 finishes query columns [0, kM / 2) of P^T and dS^T, warpgroup 1 the rest: each

@@ -48,13 +48,12 @@ __global__ void __launch_bounds__(T::kNThreads, T::kMinBlocks) flash_fwd_sm90_ke
   float(&s)[kN / 8][4] = as_rows16<kN>(tSrS);
   float(&acc)[kD / 8][4] = as_rows16<kD>(tOrO);
 
-  int n_begin, n_end;
-  cuda::key_block_range<kN>(p, m0, kM, n_begin, n_end);
+  const TileSeq tiles = cuda::key_tiles<kN>(p, b, h, m0, kM);
   cuda::zero<kD>(acc);
   float m[2] = {cuda::kNegInf, cuda::kNegInf}, l[2] = {0.f, 0.f};
 
-  const auto load_kv = [&](int nb) {  // K_j and V_j into buffer j % 2
-    const int j0 = nb * kN, stage = (nb - n_begin) & 1;
+  const auto load_kv = [&](int nb, int stage) {  // K_j and V_j into one buffer
+    const int j0 = nb * kN;
     load_tile_swizzled<kN, kD, T::kNThreads>(sK(_, _, stage), hp.k + int64_t(j0) * p.k_row_stride, p.k_row_stride,
                                              p.seqlen_k - j0, p.d, tid);
     load_tile_swizzled<kN, kD, T::kNThreads>(sV(_, _, stage), hp.v + int64_t(j0) * p.v_row_stride, p.v_row_stride,
@@ -62,16 +61,16 @@ __global__ void __launch_bounds__(T::kNThreads, T::kMinBlocks) flash_fwd_sm90_ke
   };
   load_tile_swizzled<kM, kD, T::kNThreads>(sQ, hp.q + int64_t(m0) * p.q_row_stride, p.q_row_stride, p.seqlen_q - m0,
                                            p.d, tid);
-  if (n_begin < n_end) load_kv(n_begin);
+  if (tiles.count > 0) load_kv(tiles[0], 0);
   cp_async_commit();
 
-  for (int nb = n_begin; nb < n_end; ++nb) {
-    const int j0 = nb * kN, stage = (nb - n_begin) & 1;
+  for (int it = 0; it < tiles.count; ++it) {
+    const int j0 = tiles[it] * kN, stage = it & 1;
     cp_async_wait<0>();
     fence_proxy_async_smem();
     __syncthreads();  // K_j and V_j (and Q) are in; every warpgroup is done with the other buffer
-    if (nb + 1 < n_end) {
-      load_kv(nb + 1);
+    if (it + 1 < tiles.count) {
+      load_kv(tiles[it + 1], stage ^ 1);
       cp_async_commit();
     }
     wgmma_gemm<true, 0>(mma_s, tSrQ, tSrK(_, _, _, stage), tSrS);
