@@ -33,8 +33,8 @@ def _bwd_fake(dout, q, k, v, out, softmax_lse, dropout_p=0.0, softmax_scale=None
 
 
 def _fwd_setup_context(ctx, inputs, output):
-    q, k, v, dropout_p, softmax_scale, causal, window_left, window_right, _, deterministic = inputs[:10]
-    block_mask = tuple(inputs[10:13]) + (None,) * (13 - len(inputs))  # layout, q lists, k lists or Nones
+    # torch passes every schema argument, defaults filled in.
+    q, k, v, dropout_p, softmax_scale, causal, window_left, window_right, _, deterministic, *block_mask = inputs
     out, lse, _, rng_state = output
     ctx.save_for_backward(q, k, v, out, lse, rng_state, *block_mask)
     ctx.args = (dropout_p, softmax_scale, causal, window_left, window_right, deterministic)
