@@ -5,7 +5,8 @@ Setup as in the flash-attn benchmarks: batch * seqlen = 16384 tokens, nheads * h
 FLOPs: fwd = 4 b h s^2 d (halved for causal), bwd = 2.5 x fwd. Times are medians of CUDA-event
 timings after warm-up; bwd = (fwd+bwd) - fwd. Peak memory is what fwd+bwd allocates beyond the
 inputs. Writes JSON (--out) and a PNG plot of TFLOP/s against seqlen (--plot).
-Impl "ours_portable" is ours with FLASH_ATTN_DISABLE_SM90=1: the sm80-style kernels on a Hopper GPU.
+Impl "ours_portable" is ours with FLASH_ATTN_DISABLE_SM90=1: the sm80-style kernels on a Hopper GPU;
+"ours_sync" is ours with FLASH_ATTN_SM90_FWD_SYNC=1: the sm90 forward without warp specialization.
 """
 
 import argparse
@@ -24,10 +25,11 @@ from flash_attn import flash_attn_func  # noqa: E402
 SDPA = {"fa2": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
         "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+ENV_IMPLS = {"ours_portable": "FLASH_ATTN_DISABLE_SM90", "ours_sync": "FLASH_ATTN_SM90_FWD_SYNC"}
 
 
 def make_fn(impl, b, s, h, d, dtype, causal):
-    if impl in ("ours", "ours_portable"):
+    if impl in ("ours", *ENV_IMPLS):
         q, k, v = [torch.randn(b, s, h, d, device="cuda", dtype=dtype, requires_grad=True) for _ in range(3)]
         return (lambda: flash_attn_func(q, k, v, causal=causal)), (q, k, v)
     q, k, v = [torch.randn(b, h, s, d, device="cuda", dtype=dtype, requires_grad=True) for _ in range(3)]
@@ -53,12 +55,12 @@ def median_ms(fn, reps):
 
 
 def measure(impl, b, s, h, d, dtype, causal):
-    if impl == "ours_portable":
-        os.environ["FLASH_ATTN_DISABLE_SM90"] = "1"
+    if impl in ENV_IMPLS:
+        os.environ[ENV_IMPLS[impl]] = "1"
         try:
             return measure("ours", b, s, h, d, dtype, causal)
         finally:
-            del os.environ["FLASH_ATTN_DISABLE_SM90"]
+            del os.environ[ENV_IMPLS[impl]]
     return time_fwd_bwd(*make_fn(impl, b, s, h, d, dtype, causal))
 
 

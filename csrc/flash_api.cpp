@@ -387,7 +387,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> mha_bwd(
     at::Tensor dq_accum;
     if (!deterministic) {
       const cuda::DqAccumShape acc = cuda::dq_accum_shape(s.seqlen_q, d8);
-      dq_accum = at::zeros({s.b, s.h, acc.rows, acc.row_stride}, f32);
+      dq_accum = at::empty({s.b, s.h, acc.rows, acc.row_stride}, f32);  // the D pre-pass zeroes it
       p.dq_accum_ptr = dq_accum.data_ptr<float>();
     }
     p.rng_state_ptr = dropout_p > 0.0 ? rng.data_ptr<int64_t>() : nullptr;

@@ -1,5 +1,6 @@
 """A small forward+backward of each kernel family, for compute-sanitizer (memcheck, racecheck):
-on a Hopper GPU both the sm90 forward and (FLASH_ATTN_DISABLE_SM90=1) the portable one; dense and
+on a Hopper GPU the sm90 kernels (the forward's warp-specialized TMA kernel and, at head dims 64 and
+128, with FLASH_ATTN_SM90_FWD_SYNC=1, its cp.async one) and (FLASH_ATTN_DISABLE_SM90=1) the portable ones; dense and
 block-sparse (a random 128 x 128 layout with an empty query block), atomic and deterministic dQ.
 Usage: sanitize_kernels.py [all|dense|blocksparse] (racecheck of "all" takes several minutes)."""
 
@@ -13,10 +14,11 @@ from flash_attn import BlockSparseMask, flash_attn_blocksparse_func, flash_attn_
 layout = torch.tensor([[True, False, True], [False, False, False], [True, True, False]])
 mask = BlockSparseMask.from_layout(layout, 300, 300).to("cuda")
 which = sys.argv[1] if len(sys.argv) > 1 else "all"
-for portable in ("0", "1"):
+for portable, sync in (("0", "0"), ("0", "1"), ("1", "0")):
     os.environ["FLASH_ATTN_DISABLE_SM90"] = portable
+    os.environ["FLASH_ATTN_SM90_FWD_SYNC"] = sync
     for dtype in (torch.bfloat16, torch.float16):
-        for d in (64, 96, 128, 192, 256):
+        for d in (64, 96, 128, 192, 256) if sync == "0" else (64, 128):
             for causal, dropout_p in ((False, 0.0), (True, 0.0), (True, 0.1)):
                 if which in ("all", "dense"):
                     q, k, v = [torch.randn(1, 150, 2, d, device="cuda", dtype=dtype, requires_grad=True)

@@ -127,14 +127,16 @@ def kernel_names(fn):
 @pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9),
                     reason="Hopper (sm_90) only")
 def test_hopper_kernels_run_on_sm90(monkeypatch):
-    # Without dropout the forward runs the wgmma kernel, and so does the (non-deterministic)
-    # backward at head dims 64 and 128 (keys split over warpgroups) and 192 and 256 (head dim
-    # split); FLASH_ATTN_DISABLE_SM90, dropout and deterministic=True select the portable ones.
+    # Without dropout the forward runs the warp-specialized wgmma kernel (TMA loads), and so does
+    # the (non-deterministic) backward at head dims 64 and 128 (keys split over warpgroups) and 192
+    # and 256 (head dim split); FLASH_ATTN_DISABLE_SM90, dropout and deterministic=True select the
+    # portable ones.
+    fwd_kernel = "flash_fwd_sm90_ws_kernel"
     for d, bwd_kernel in ((64, "flash_bwd_sm90_kernel"), (128, "flash_bwd_sm90_kernel"), (96, None),
                           (192, "flash_bwd_sm90_split_d_kernel"), (256, "flash_bwd_sm90_split_d_kernel")):
         q, k, v = make(1, 300, 300, 2, 2, d, torch.bfloat16)
         names = kernel_names(lambda: flash_attn_func(q, k, v).sum().backward())
-        assert any("flash_fwd_sm90_kernel" in n for n in names), names
+        assert any(fwd_kernel + "<" in n for n in names), names
         sm90_bwd = [n for n in names if "flash_bwd_sm90" in n]
         assert (bwd_kernel is None and not sm90_bwd) or (sm90_bwd and all(bwd_kernel + "<" in n for n in sm90_bwd)), names
     names = kernel_names(lambda: flash_attn_func(q, k, v, deterministic=True).sum().backward())
@@ -144,6 +146,29 @@ def test_hopper_kernels_run_on_sm90(monkeypatch):
     monkeypatch.setenv("FLASH_ATTN_DISABLE_SM90", "1")
     names = kernel_names(lambda: flash_attn_func(q, k, v).sum().backward())
     assert not any("sm90" in n for n in names) and any("flash_fwd_kernel" in n for n in names)
+
+
+@pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9),
+                    reason="Hopper (sm_90) only")
+@pytest.mark.parametrize("d", [64, 96, 128, 256])
+@pytest.mark.parametrize("causal", [False, True])
+def test_sm90_forward_tma_strides(d, causal, monkeypatch):
+    # TMA descriptors need 16-byte strides. The op layer copies inputs whose strides are not, but
+    # a dim of length 1 may keep any stride (here the batch of q and the seqlen of k, v): the
+    # warp-specialized kernel still takes them. FLASH_ATTN_SM90_FWD_SYNC=1 selects the cp.async kernel.
+    def odd_strided(b, s, h, stride):
+        base = torch.randn(b * s * h * d + 4096, device="cuda", dtype=torch.bfloat16)
+        return base.as_strided((b, s, h, d), stride).detach().requires_grad_()
+    q = odd_strided(1, 300, 4, (12345, 4 * d, d, 1))
+    k, v = odd_strided(1, 1, 2, (777, 3, d, 1)), odd_strided(1, 1, 2, (999, 5, d, 1))
+    q2, k2, v2 = make(2, 300, 457, 4, 2, d, torch.float16)
+    names = kernel_names(lambda: (flash_attn_func(q, k, v, causal=causal), flash_attn_func(q2, k2, v2, causal=causal)))
+    assert sum("flash_fwd_sm90_ws_kernel<" in n for n in names) == 2, names
+    check_against_reference(q, k, v, causal=causal)
+    monkeypatch.setenv("FLASH_ATTN_SM90_FWD_SYNC", "1")
+    names = kernel_names(lambda: flash_attn_func(q2, k2, v2, causal=causal))
+    assert any("flash_fwd_sm90_kernel<" in n for n in names) and not any("_ws_" in n for n in names), names
+    check_against_reference(q2, k2, v2, causal=causal)
 
 
 @pytest.mark.parametrize("d", HEAD_DIMS)
@@ -212,6 +237,19 @@ def test_dropout_keep_rate_and_seed():
     assert torch.equal(a, b)
     kept = (~torch.signbit(s_dmask)).float().mean().item()
     assert abs(kept - 0.7) < 3e-3
+
+
+@pytest.mark.parametrize("b,sq,sk", [(2, 37, 0), (2, 0, 37), (0, 5, 5)])
+def test_empty_sequences(b, sq, sk):
+    # No keys: output 0, logsumexp -inf, zero gradients; no queries or no batch: empty results.
+    for d in (64, 128, 256):
+        q, k, v = make(b, sq, sk, 4, 2, d, torch.bfloat16)
+        out, lse, _ = flash_attn_func(q, k, v, return_attn_probs=True)
+        assert out.shape == q.shape and lse.shape == (b, 4, sq)
+        assert torch.equal(out, torch.zeros_like(out)) and bool(torch.isneginf(lse).all())
+        grads = torch.autograd.grad(out, (q, k, v), torch.randn_like(out))
+        for g, x in zip(grads, (q, k, v)):
+            assert g.shape == x.shape and torch.equal(g, torch.zeros_like(g))
 
 
 def test_rows_with_nothing_to_attend_give_zero():

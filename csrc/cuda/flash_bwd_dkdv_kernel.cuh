@@ -31,11 +31,12 @@ __device__ __forceinline__ void query_block_range(const FwdParams& p, int j0, in
 
 // The query blocks of kM rows that keys [j0, j0 + kN) of head (b, h) visit, ascending: the range
 // above, cut to the block mask's kept blocks when there is one (the keys lie in one mask block).
-template <int kM, int kN>
+// kMaybeMasked = false: as in key_tiles.
+template <int kM, int kN, bool kMaybeMasked = true>
 __device__ __forceinline__ TileSeq query_tiles(const FwdParams& p, int b, int h, int j0) {
   int mb_begin, mb_end;
   query_block_range<kM, kN>(p, j0, mb_begin, mb_end);
-  return tile_seq<kM>(kept_query_blocks(p, b, h, j0 / kMaskBlock), mb_begin, mb_end);
+  return tile_seq<kM>(kMaybeMasked ? kept_query_blocks(p, b, h, j0 / kMaskBlock) : nullptr, mb_begin, mb_end);
 }
 
 // Store a (16 kMT x kN) accumulator at (row0, col0) of a shared-memory tile as 16-bit values.

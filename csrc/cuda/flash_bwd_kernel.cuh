@@ -9,21 +9,39 @@
 
 namespace flash::cuda {
 
-// D[b, h, i] = sum_d dO[b, i, h, d] * O[b, i, h, d]; one warp per row.
-template <typename Elem>
+// D[b, h, i] = sum_d dO[b, i, h, d] * O[b, i, h, d], eight lanes per row, 16-byte loads (d is a
+// multiple of 8). In the atomic mode it also zeroes the row's dQ accumulator (kHeadDim floats;
+// rows past seqlen_q only ever receive zeros and are never read, so they are left alone).
+template <typename Elem, int kHeadDim>
 __global__ void flash_bwd_dot_do_o_kernel(const BwdParams p) {
-  const int64_t row = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
-  const int lane = threadIdx.x % 32;
-  if (row >= int64_t(p.b) * p.seqlen_q * p.h) return;
-  const int h = int(row % p.h), i = int((row / p.h) % p.seqlen_q), b = int(row / (int64_t(p.h) * p.seqlen_q));
-  const Elem* o = static_cast<const Elem*>(p.o_ptr) + b * p.o_batch_stride + i * p.o_row_stride + h * p.o_head_stride;
-  const Elem* dout =
-      static_cast<const Elem*>(p.do_ptr) + b * p.do_batch_stride + i * p.do_row_stride + h * p.do_head_stride;
+  constexpr int kLanes = 8;
+  const int64_t row = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / kLanes;
+  const int lane = threadIdx.x % kLanes;
+  const bool valid = row < int64_t(p.b) * p.seqlen_q * p.h;
   float sum = 0.f;
-  for (int c = lane; c < p.d; c += 32) sum += to_float(o[c]) * to_float(dout[c]);
+  int h = 0, i = 0, b = 0;
+  if (valid) {
+    h = int(row % p.h), i = int((row / p.h) % p.seqlen_q), b = int(row / (int64_t(p.h) * p.seqlen_q));
+    const Elem* o = static_cast<const Elem*>(p.o_ptr) + b * p.o_batch_stride + i * p.o_row_stride + h * p.o_head_stride;
+    const Elem* dout =
+        static_cast<const Elem*>(p.do_ptr) + b * p.do_batch_stride + i * p.do_row_stride + h * p.do_head_stride;
+    for (int c = lane * 8; c < p.d; c += kLanes * 8) {
+      const uint4 ov = *reinterpret_cast<const uint4*>(o + c), dv = *reinterpret_cast<const uint4*>(dout + c);
+      const Elem* oe = reinterpret_cast<const Elem*>(&ov);
+      const Elem* de = reinterpret_cast<const Elem*>(&dv);
 #pragma unroll
-  for (int off = 16; off > 0; off /= 2) sum += __shfl_xor_sync(0xffffffff, sum, off);
-  if (lane == 0) p.dsoftmax_sum_ptr[(int64_t(b) * p.h + h) * p.seqlen_q + i] = sum;
+      for (int e = 0; e < 8; ++e) sum += to_float(oe[e]) * to_float(de[e]);
+    }
+    if (p.dq_accum_ptr != nullptr) {
+      const int64_t rows_per_head = (p.seqlen_q + kDqAccumRowPad - 1) / kDqAccumRowPad * kDqAccumRowPad;
+      float* acc = p.dq_accum_ptr + ((int64_t(b) * p.h + h) * rows_per_head + i) * kHeadDim;
+#pragma unroll
+      for (int c = lane * 4; c < kHeadDim; c += kLanes * 4) *reinterpret_cast<float4*>(acc + c) = float4{0.f, 0.f, 0.f, 0.f};
+    }
+  }
+#pragma unroll
+  for (int off = kLanes / 2; off > 0; off /= 2) sum += __shfl_xor_sync(0xffffffff, sum, off);
+  if (valid && lane == 0) p.dsoftmax_sum_ptr[(int64_t(b) * p.h + h) * p.seqlen_q + i] = sum;
 }
 
 // dQ (batch, seqlen_q, h, d) in the input dtype from the float32 accumulator of the atomic mode

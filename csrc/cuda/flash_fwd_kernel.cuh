@@ -45,11 +45,12 @@ __device__ __forceinline__ void key_block_range(const FwdParams& p, int m0, int 
 
 // The key blocks the query rows [m0, m0 + rows) of head (b, h) visit, ascending: the range above,
 // cut to the block mask's kept blocks when there is one (rows lie within one mask block).
-template <int kBlockN>
+// kMaybeMasked = false: the caller knows there is no mask, and the walk folds to counting.
+template <int kBlockN, bool kMaybeMasked = true>
 __device__ __forceinline__ TileSeq key_tiles(const FwdParams& p, int b, int h, int m0, int rows) {
   int begin, end;
   key_block_range<kBlockN>(p, m0, rows, begin, end);
-  return tile_seq<kBlockN>(kept_key_blocks(p, b, h, m0 / kMaskBlock), begin, end);
+  return tile_seq<kBlockN>(kMaybeMasked ? kept_key_blocks(p, b, h, m0 / kMaskBlock) : nullptr, begin, end);
 }
 
 // Zero the dropped probabilities of a query-major (16 x kN) tile at (i16, j0).
@@ -140,6 +141,7 @@ __global__ void __launch_bounds__(T::kNThreads) flash_fwd_kernel(const FwdParams
   for (int it = 0; it < tiles.count; ++it) {
     const int nb = tiles[it], j0 = nb * kN, cur = T::kKVStages == 2 ? it & 1 : 0;
     const bool has_next = it + 1 < tiles.count;
+    const int nb_next = has_next ? tiles[it + 1] : 0;
     Elem* sKc = sK + cur * T::kSmemKV;
     Elem* sVc = sV + cur * T::kSmemKV;
     cp_async_wait<0>();
@@ -148,8 +150,8 @@ __global__ void __launch_bounds__(T::kNThreads) flash_fwd_kernel(const FwdParams
       load_v(nb, sV);
       cp_async_commit();
     } else if (has_next) {
-      load_k(tiles[it + 1], sK + (cur ^ 1) * T::kSmemKV);
-      load_v(tiles[it + 1], sV + (cur ^ 1) * T::kSmemKV);
+      load_k(nb_next, sK + (cur ^ 1) * T::kSmemKV);
+      load_v(nb_next, sV + (cur ^ 1) * T::kSmemKV);
       cp_async_commit();
     }
 
@@ -165,7 +167,7 @@ __global__ void __launch_bounds__(T::kNThreads) flash_fwd_kernel(const FwdParams
       cp_async_wait<0>();
       __syncthreads();  // V_j is in; every warp is done with K_j
       if (has_next) {
-        load_k(tiles[it + 1], sK);
+        load_k(nb_next, sK);
         cp_async_commit();
       }
     }

@@ -74,11 +74,12 @@ __device__ __forceinline__ bool tile_fully_visible(const FwdParams& p, int i0, i
 
 // Online softmax over one tile of raw scores s (masked entries -inf): update the running max m
 // (log2 domain, i.e. times scale_log2, which the op layer makes positive) and the thread-partial
-// sum l of both rows, turn s into unnormalised probabilities and rescale the output accumulator.
-// The scale is folded into each exponent's FFMA.
-template <int kN, int kD>
-__device__ __forceinline__ void online_softmax(float (&s)[kN / 8][4], float (&acc)[kD / 8][4], float (&m)[2],
-                                               float (&l)[2], float scale_log2) {
+// sum l of both rows and turn s into unnormalised probabilities. Returns in alpha the factor the
+// output accumulator's rows must be scaled by (kept separate so that a kernel can apply it once
+// an in-flight MMA into the accumulator has finished). The scale is folded into each exponent's FFMA.
+template <int kN>
+__device__ __forceinline__ void online_softmax_probs(float (&s)[kN / 8][4], float (&m)[2], float (&l)[2],
+                                                     float scale_log2, float (&alpha)[2]) {
 #pragma unroll
   for (int hr = 0; hr < 2; ++hr) {
     float mx = kNegInf;
@@ -86,7 +87,7 @@ __device__ __forceinline__ void online_softmax(float (&s)[kN / 8][4], float (&ac
     for (int n = 0; n < kN / 8; ++n) mx = fmaxf(mx, fmaxf(s[n][2 * hr], s[n][2 * hr + 1]));
     const float m_new = fmaxf(m[hr], quad_max(mx) * scale_log2);
     const float m_use = m_new == kNegInf ? 0.f : m_new;  // a row with nothing visible yet stays 0
-    const float alpha = fast_exp2(m[hr] - m_use);
+    alpha[hr] = fast_exp2(m[hr] - m_use);
     m[hr] = m_new;
     float sum = 0.f;
 #pragma unroll
@@ -97,13 +98,29 @@ __device__ __forceinline__ void online_softmax(float (&s)[kN / 8][4], float (&ac
         s[n][2 * hr + e] = pv;
         sum += pv;
       }
-    l[hr] = l[hr] * alpha + sum;
-#pragma unroll
-    for (int d = 0; d < kD / 8; ++d) {
-      acc[d][2 * hr] *= alpha;
-      acc[d][2 * hr + 1] *= alpha;
-    }
+    l[hr] = l[hr] * alpha[hr] + sum;
   }
+}
+
+// Scale the rows (g, g + 8) of a query-major accumulator by alpha[0], alpha[1].
+template <int kD>
+__device__ __forceinline__ void scale_rows(float (&acc)[kD / 8][4], const float (&alpha)[2]) {
+#pragma unroll
+  for (int d = 0; d < kD / 8; ++d) {
+    acc[d][0] *= alpha[0];
+    acc[d][1] *= alpha[0];
+    acc[d][2] *= alpha[1];
+    acc[d][3] *= alpha[1];
+  }
+}
+
+// Both at once: the step of kernels whose accumulator is not in flight.
+template <int kN, int kD>
+__device__ __forceinline__ void online_softmax(float (&s)[kN / 8][4], float (&acc)[kD / 8][4], float (&m)[2],
+                                               float (&l)[2], float scale_log2) {
+  float alpha[2];
+  online_softmax_probs<kN>(s, m, l, scale_log2, alpha);
+  scale_rows<kD>(acc, alpha);
 }
 
 }  // namespace flash::cuda

@@ -11,7 +11,8 @@
 
 namespace flash::hopper {
 
-template <typename T>
+// kBlockSparse: whether a block mask may be set; without, the tile walk folds to counting.
+template <typename T, bool kBlockSparse>
 __global__ void __launch_bounds__(T::kNThreads, 1) flash_bwd_sm90_kernel(const BwdParams p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using namespace cute;
@@ -73,7 +74,7 @@ __global__ void __launch_bounds__(T::kNThreads, 1) flash_bwd_sm90_kernel(const B
   float(&dk)[kD / 8][4] = as_rows16<kD>(tdKrdK);
   float(&dq)[T::kDqN / 8][4] = as_rows16<T::kDqN>(tdQrdQ);
 
-  const TileWalk query_walk(cuda::query_tiles<kM, kN>(p, b, h, j0));
+  const TileWalk query_walk(cuda::query_tiles<kM, kN, kBlockSparse>(p, b, h, j0));
   QueryBlockStream<kM, kD, T::kNThreads, Elem, decltype(sQ)> qblocks{sQ, sdO, sLse, sDsum, hp, p, tid, query_walk};
   load_k_v<kN, kD, T::kNThreads>(sK, sV, hp, p, j0, tid);
   qblocks.load_first();

@@ -31,8 +31,12 @@ bool run_mha_bwd_sm90_(BwdParams& p, cudaStream_t stream) {
       T::kSmemBytes > cuda::smem_per_block_optin())
     return false;
   const dim3 grid((p.seqlen_k + T::kBlockN - 1) / T::kBlockN, p.h, p.b);
-  if constexpr (kHeadDim <= 128) cuda::launch<T>(&flash_bwd_sm90_kernel<T>, grid, p, stream);
-  else cuda::launch<T>(&flash_bwd_sm90_split_d_kernel<T>, grid, p, stream);
+  const bool sparse = p.k_block_lists != nullptr;
+  if constexpr (kHeadDim <= 128)
+    cuda::launch<T>(sparse ? &flash_bwd_sm90_kernel<T, true> : &flash_bwd_sm90_kernel<T, false>, grid, p, stream);
+  else
+    cuda::launch<T>(sparse ? &flash_bwd_sm90_split_d_kernel<T, true> : &flash_bwd_sm90_split_d_kernel<T, false>, grid,
+                    p, stream);
   return true;
 }
 

@@ -11,7 +11,8 @@
 
 namespace flash::hopper {
 
-template <typename T>
+// kBlockSparse: whether a block mask may be set; without, the tile walk folds to counting.
+template <typename T, bool kBlockSparse>
 __global__ void __launch_bounds__(T::kNThreads, T::kMinBlocks) flash_fwd_sm90_kernel(const FwdParams p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using namespace cute;
@@ -48,7 +49,7 @@ __global__ void __launch_bounds__(T::kNThreads, T::kMinBlocks) flash_fwd_sm90_ke
   float(&s)[kN / 8][4] = as_rows16<kN>(tSrS);
   float(&acc)[kD / 8][4] = as_rows16<kD>(tOrO);
 
-  const TileSeq tiles = cuda::key_tiles<kN>(p, b, h, m0, kM);
+  const TileSeq tiles = cuda::key_tiles<kN, kBlockSparse>(p, b, h, m0, kM);
   cuda::zero<kD>(acc);
   float m[2] = {cuda::kNegInf, cuda::kNegInf}, l[2] = {0.f, 0.f};
 

@@ -6,6 +6,7 @@
 #include "../cuda/flash_launch.h"
 #include "../cuda/launch_utils.cuh"
 #include "flash_fwd_sm90_kernel.cuh"
+#include "flash_fwd_sm90_ws_kernel.cuh"
 
 namespace flash::hopper {
 
@@ -17,6 +18,69 @@ namespace flash::hopper {
 template <typename Elem, int kHeadDim>
 using FwdSm90Config = FwdSm90Traits<Elem, kHeadDim, 128, (kHeadDim <= 128 ? 128 : 64), (kHeadDim <= 64 ? 2 : 1)>;
 
+// The warp-specialized kernel (every head dim): the cp.async kernel's key tiles, two stages.
+template <typename Elem, int kHeadDim>
+using FwdSm90WsConfig = FwdSm90WsTraits<Elem, kHeadDim, (kHeadDim <= 128 ? 128 : 64), 2>;
+
+// A (seqlen, d, heads, batch) view of q, k or v for a TMA descriptor, whose base address and
+// strides must be multiples of 16 bytes. The op layer makes the strides of dims longer than 1
+// multiples of 8 elements; a dim of length 1 may carry any stride, so it gets one past the
+// tensor's extent instead (never used to address anything).
+struct TmaView {
+  const void* ptr;
+  int seqlen, d, heads, batch;
+  int64_t row, head, bat;
+
+  bool compatible() const {
+    if (reinterpret_cast<uintptr_t>(ptr) % 16 != 0) return false;
+    return (seqlen == 1 || row % 8 == 0) && (heads == 1 || head % 8 == 0) && (batch == 1 || bat % 8 == 0);
+  }
+  template <typename CElem>
+  auto tensor() const {
+    const int64_t extent = (seqlen - 1) * row + (heads - 1) * head + (batch - 1) * bat + d;
+    const int64_t past = (extent + 7) / 8 * 8;
+    return cute::make_tensor(cute::make_gmem_ptr(static_cast<const CElem*>(ptr)),
+                             cute::make_shape(seqlen, d, heads, batch),
+                             cute::make_stride(seqlen == 1 ? past : row, cute::_1{}, heads == 1 ? past : head,
+                                               batch == 1 ? past : bat));
+  }
+};
+
+inline TmaView q_view(const FwdParams& p) {
+  return {p.q_ptr, p.seqlen_q, p.d, p.h, p.b, p.q_row_stride, p.q_head_stride, p.q_batch_stride};
+}
+inline TmaView k_view(const FwdParams& p) {
+  return {p.k_ptr, p.seqlen_k, p.d, p.h_k, p.b, p.k_row_stride, p.k_head_stride, p.k_batch_stride};
+}
+inline TmaView v_view(const FwdParams& p) {
+  return {p.v_ptr, p.seqlen_k, p.d, p.h_k, p.b, p.v_row_stride, p.v_head_stride, p.v_batch_stride};
+}
+
+template <typename T>
+FwdSm90WsParams<T> ws_params(const FwdParams& p) {
+  using CElem = typename T::CElem;
+  return FwdSm90WsParams<T>{
+      p, make_tma_copy(cute::SM90_TMA_LOAD{}, q_view(p).tensor<CElem>(), typename T::SmemLayoutQ{}),
+      make_tma_copy(cute::SM90_TMA_LOAD{}, k_view(p).tensor<CElem>(), typename T::SmemLayoutKVStage{}),
+      make_tma_copy(cute::SM90_TMA_LOAD{}, v_view(p).tensor<CElem>(), typename T::SmemLayoutKVStage{})};
+}
+
+// Runs the warp-specialized kernel where it applies; FLASH_ATTN_SM90_FWD_SYNC=1 turns it off (A/B).
+template <typename Elem, int kHeadDim>
+bool run_mha_fwd_sm90_ws(const FwdParams& p, cudaStream_t stream) {
+  using T = FwdSm90WsConfig<Elem, kHeadDim>;
+  const char* off = std::getenv("FLASH_ATTN_SM90_FWD_SYNC");
+  // (No keys: a descriptor cannot describe an empty tensor; the other kernel writes the zeros.)
+  if ((off != nullptr && off[0] == '1') || p.seqlen_k == 0 || T::kSmemBytes > cuda::smem_per_block_optin() ||
+      !q_view(p).compatible() || !k_view(p).compatible() || !v_view(p).compatible())
+    return false;
+  const dim3 grid((p.seqlen_q + T::kBlockM - 1) / T::kBlockM, p.h, p.b);
+  const FwdSm90WsParams<T> args = ws_params<T>(p);
+  if (p.q_block_lists != nullptr) cuda::launch<T>(&flash_fwd_sm90_ws_kernel<T, true>, grid, args, stream);
+  else cuda::launch<T>(&flash_fwd_sm90_ws_kernel<T, false>, grid, args, stream);
+  return true;
+}
+
 // Runs the forward kernel here and returns true where this path applies: an sm_90 GPU, no
 // dropout, enough shared memory, and FLASH_ATTN_DISABLE_SM90 unset (which tests and benchmarks
 // use to run the portable kernels on the same GPU). Otherwise returns false. The portable
@@ -26,8 +90,10 @@ bool run_mha_fwd_sm90_(FwdParams& p, cudaStream_t stream) {
   using T = FwdSm90Config<Elem, kHeadDim>;
   if (!cuda::sm90_path_enabled() || p.p_dropout > 0.f || T::kSmemBytes > cuda::smem_per_block_optin())
     return false;
+  if (run_mha_fwd_sm90_ws<Elem, kHeadDim>(p, stream)) return true;
   const dim3 grid((p.seqlen_q + T::kBlockM - 1) / T::kBlockM, p.h, p.b);
-  cuda::launch<T>(&flash_fwd_sm90_kernel<T>, grid, p, stream);
+  if (p.q_block_lists != nullptr) cuda::launch<T>(&flash_fwd_sm90_kernel<T, true>, grid, p, stream);
+  else cuda::launch<T>(&flash_fwd_sm90_kernel<T, false>, grid, p, stream);
   return true;
 }
 

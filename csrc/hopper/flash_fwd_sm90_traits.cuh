@@ -3,16 +3,18 @@
 
 #include "wgmma_utils.cuh"
 
+#include <cute/atom/copy_traits_sm90_tma.hpp>
+
 namespace flash::hopper {
 
 // kBlockM query rows on kBlockM / 64 warpgroups (64 rows each) and kBlockN keys per step, K and V
 // double-buffered. S = Q K^T reads both operands from shared memory (K-major); O += P V takes P
 // from registers and V^T as an MN-major view of the same V tile.
-template <typename Elem_, int kHeadDim_, int kBlockM_, int kBlockN_, int kMinBlocks_ = 1>
+template <typename Elem_, int kHeadDim_, int kBlockM_, int kBlockN_, int kMinBlocks_ = 1, int kStages_ = 2>
 struct FwdSm90Traits {
   using Elem = Elem_;
   using CElem = CuteElem<Elem>;
-  static constexpr int kHeadDim = kHeadDim_, kBlockM = kBlockM_, kBlockN = kBlockN_, kStages = 2;
+  static constexpr int kHeadDim = kHeadDim_, kBlockM = kBlockM_, kBlockN = kBlockN_, kStages = kStages_;
   static constexpr int kMinBlocks = kMinBlocks_;  // CTAs per SM the registers must allow
   static constexpr int kNWarpGroups = kBlockM / 64, kNThreads = 128 * kNWarpGroups;
   static_assert(kBlockM % 64 == 0 && kBlockN % 16 == 0 && kHeadDim % 32 == 0, "tile shapes");
@@ -38,6 +40,35 @@ struct FwdSm90Traits {
   static constexpr int kSmemQ = int(cute::cosize_v<SmemLayoutQ>), kSmemKV = int(cute::cosize_v<SmemLayoutKV>);
   static constexpr int kSmemAlign = 1024;  // the 128-byte swizzle repeats every 1024 bytes
   static constexpr int kSmemBytes = (kSmemQ + 2 * kSmemKV) * int(sizeof(Elem)) + kSmemAlign;
+};
+
+// The warp-specialized forward (flash_fwd_sm90_ws_kernel.cuh): the same tiles and MMAs on two
+// consumer warpgroups (128 query rows), plus a producer warpgroup that streams Q, K and V in with
+// TMA. The producer gives its registers to the consumers (setmaxnreg).
+template <typename Elem_, int kHeadDim_, int kBlockN_, int kStages_ = 2>
+struct FwdSm90WsTraits : FwdSm90Traits<Elem_, kHeadDim_, 128, kBlockN_, 1, kStages_> {
+  using Base = FwdSm90Traits<Elem_, kHeadDim_, 128, kBlockN_, 1, kStages_>;
+  using typename Base::CElem;
+  static constexpr int kNConsumerThreads = Base::kNThreads, kNThreads = Base::kNThreads + 128;
+  static constexpr int kProducerRegs = 24, kConsumerRegs = 240;  // 128 x 24 + 256 x 240 <= 64K
+
+  // TMA views of q, k and v: (seqlen, head dim, heads, batch), the head dim contiguous.
+  using GmemShape = cute::Shape<int32_t, int32_t, int32_t, int32_t>;
+  using GmemStride = cute::Stride<int64_t, cute::_1, int64_t, int64_t>;
+  using SmemLayoutKVStage = decltype(cute::tile_to_shape(
+      typename Base::Atom{}, cute::Shape<cute::Int<Base::kBlockN>, cute::Int<Base::kHeadDim>>{}));
+  using TmaQ = decltype(cute::make_tma_copy(
+      cute::SM90_TMA_LOAD{},
+      cute::make_tensor(cute::make_gmem_ptr(static_cast<const CElem*>(nullptr)), GmemShape{}, GmemStride{}),
+      typename Base::SmemLayoutQ{}));
+  using TmaKV = decltype(cute::make_tma_copy(
+      cute::SM90_TMA_LOAD{},
+      cute::make_tensor(cute::make_gmem_ptr(static_cast<const CElem*>(nullptr)), GmemShape{}, GmemStride{}),
+      SmemLayoutKVStage{}));
+  static constexpr uint32_t kQBytes = Base::kSmemQ * sizeof(CElem), kKVBytes = Base::kSmemKV / kStages_ * sizeof(CElem);
+  // Full/empty mbarriers: one for Q, then per stage K full, V full, K empty, V empty.
+  static constexpr int kNBarriers = 1 + 4 * kStages_;
+  static constexpr int kSmemBytes = Base::kSmemBytes + kNBarriers * 8;
 };
 
 }  // namespace flash::hopper
