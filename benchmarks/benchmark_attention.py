@@ -25,7 +25,8 @@ from flash_attn import flash_attn_func  # noqa: E402
 SDPA = {"fa2": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
         "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
-ENV_IMPLS = {"ours_portable": "FLASH_ATTN_DISABLE_SM90", "ours_sync": "FLASH_ATTN_SM90_FWD_SYNC"}
+ENV_IMPLS = {"ours_portable": ("FLASH_ATTN_DISABLE_SM90",),
+             "ours_sync": ("FLASH_ATTN_SM90_FWD_SYNC",)}
 
 
 def make_fn(impl, b, s, h, d, dtype, causal):
@@ -56,11 +57,12 @@ def median_ms(fn, reps):
 
 def measure(impl, b, s, h, d, dtype, causal):
     if impl in ENV_IMPLS:
-        os.environ[ENV_IMPLS[impl]] = "1"
+        os.environ.update({var: "1" for var in ENV_IMPLS[impl]})
         try:
             return measure("ours", b, s, h, d, dtype, causal)
         finally:
-            del os.environ[ENV_IMPLS[impl]]
+            for var in ENV_IMPLS[impl]:
+                del os.environ[var]
     return time_fwd_bwd(*make_fn(impl, b, s, h, d, dtype, causal))
 
 

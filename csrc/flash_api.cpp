@@ -364,7 +364,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> mha_bwd(
     };
     at::Tensor dk = gqa ? kv_alloc(f32, {s.b, s.h, s.seqlen_k, d8}) : kv_alloc(q.options(), {s.b, s.seqlen_k, s.h_k, d8});
     at::Tensor dv = gqa ? kv_alloc(f32, {s.b, s.h, s.seqlen_k, d8}) : kv_alloc(q.options(), {s.b, s.seqlen_k, s.h_k, d8});
-    at::Tensor dsum = at::empty({s.b, s.h, s.seqlen_q}, f32);
+    // D and the base-2 logsumexp per row (rows padded; the pre-pass writes every row).
+    const int64_t stat_rows = cuda::padded_query_rows(s.seqlen_q);
+    at::Tensor dsum = at::empty({s.b, s.h, stat_rows}, f32), lse_log2 = at::empty({s.b, s.h, stat_rows}, f32);
     at::Tensor rng = dropout_p > 0.0 ? rng_state->to(q.device()) : at::Tensor();
     BwdParams p;
     set_fwd_params(p, s, qc, kc, vc, oc, lse, dropout_p, cscale, causal, window_size_left, window_size_right);
@@ -384,6 +386,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> mha_bwd(
       set_strides(dv, p.dv_batch_stride, p.dv_row_stride, p.dv_head_stride);
     }
     p.dsoftmax_sum_ptr = dsum.data_ptr<float>();
+    p.softmax_lse_log2_ptr = lse_log2.data_ptr<float>();
     at::Tensor dq_accum;
     if (!deterministic) {
       const cuda::DqAccumShape acc = cuda::dq_accum_shape(s.seqlen_q, d8);

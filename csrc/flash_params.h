@@ -84,8 +84,11 @@ struct BwdParams : FwdParams {
   int64_t dk_batch_stride = 0, dk_row_stride = 0, dk_head_stride = 0;
   int64_t dv_batch_stride = 0, dv_row_stride = 0, dv_head_stride = 0;
 
-  // CUDA: rowsum(dO * O) per (batch, h, seqlen_q) row, float32, from the pre-pass.
+  // CUDA, from the pre-pass: rowsum(dO * O) and, when set, logsumexp * log2(e) (0 where the
+  // logsumexp is -inf), float32, laid out (batch, h, cuda::padded_query_rows(seqlen_q)); padded
+  // rows hold 0.
   float* __restrict__ dsoftmax_sum_ptr = nullptr;
+  float* __restrict__ softmax_lse_log2_ptr = nullptr;
 
   // CUDA without GQA: dK/dV go straight to dk_ptr / dv_ptr (dk_accum_ptr == nullptr).
   // Otherwise float32 scratch the op layer allocates: per-query-head dK/dV before the GQA group sum,
@@ -96,6 +99,7 @@ struct BwdParams : FwdParams {
   float* __restrict__ dk_accum_ptr = nullptr;
   float* __restrict__ dv_accum_ptr = nullptr;
   float* __restrict__ dq_accum_ptr = nullptr;
+  bool dq_accum_swizzled = false;  // set by the kernel that wrote it (cuda::dq_accum_col)
   int num_splits = 1;
 };
 

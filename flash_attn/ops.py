@@ -39,9 +39,14 @@ def _fwd_setup_context(ctx, inputs, output):
     ctx.save_for_backward(q, k, v, out, lse, rng_state, *block_mask)
     ctx.args = (dropout_p, softmax_scale, causal, window_left, window_right, deterministic)
     ctx.mark_non_differentiable(lse, output[2], rng_state)
+    # The other outputs' gradients are never used: skip making zero tensors for them (one
+    # allocation and fill launch each per backward).
+    ctx.set_materialize_grads(False)
 
 
 def _fwd_backward(ctx, dout, *_unused_grads):
+    if dout is None:  # out does not reach the loss
+        return (None,) * 13
     q, k, v, out, lse, rng_state, *block_mask = ctx.saved_tensors
     dropout_p, softmax_scale, causal, window_left, window_right, deterministic = ctx.args
     dq, dk, dv = bwd(dout.contiguous() if dout.stride(-1) != 1 else dout, q, k, v, out, lse, dropout_p,

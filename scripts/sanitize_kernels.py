@@ -1,6 +1,7 @@
 """A small forward+backward of each kernel family, for compute-sanitizer (memcheck, racecheck):
-on a Hopper GPU the sm90 kernels (the forward's warp-specialized TMA kernel and, at head dims 64 and
-128, with FLASH_ATTN_SM90_FWD_SYNC=1, its cp.async one) and (FLASH_ATTN_DISABLE_SM90=1) the portable ones; dense and
+on a Hopper GPU the sm90 kernels (the warp-specialized TMA ones and, at head dims 64 and 128, with
+FLASH_ATTN_SM90_FWD_SYNC=1, the cp.async forward) and (FLASH_ATTN_DISABLE_SM90=1) the portable ones;
+dense and
 block-sparse (a random 128 x 128 layout with an empty query block), atomic and deterministic dQ.
 Usage: sanitize_kernels.py [all|dense|blocksparse] (racecheck of "all" takes several minutes)."""
 

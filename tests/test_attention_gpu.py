@@ -128,11 +128,11 @@ def kernel_names(fn):
                     reason="Hopper (sm_90) only")
 def test_hopper_kernels_run_on_sm90(monkeypatch):
     # Without dropout the forward runs the warp-specialized wgmma kernel (TMA loads), and so does
-    # the (non-deterministic) backward at head dims 64 and 128 (keys split over warpgroups) and 192
-    # and 256 (head dim split); FLASH_ATTN_DISABLE_SM90, dropout and deterministic=True select the
-    # portable ones.
+    # the (non-deterministic) backward at head dims 64 and 128 (warp-specialized, keys split over
+    # warpgroups) and 192 and 256 (head dim split); FLASH_ATTN_DISABLE_SM90, dropout and
+    # deterministic=True select the portable ones.
     fwd_kernel = "flash_fwd_sm90_ws_kernel"
-    for d, bwd_kernel in ((64, "flash_bwd_sm90_kernel"), (128, "flash_bwd_sm90_kernel"), (96, None),
+    for d, bwd_kernel in ((64, "flash_bwd_sm90_ws_kernel"), (128, "flash_bwd_sm90_ws_kernel"), (96, None),
                           (192, "flash_bwd_sm90_split_d_kernel"), (256, "flash_bwd_sm90_split_d_kernel")):
         q, k, v = make(1, 300, 300, 2, 2, d, torch.bfloat16)
         names = kernel_names(lambda: flash_attn_func(q, k, v).sum().backward())
@@ -152,22 +152,26 @@ def test_hopper_kernels_run_on_sm90(monkeypatch):
                     reason="Hopper (sm_90) only")
 @pytest.mark.parametrize("d", [64, 96, 128, 256])
 @pytest.mark.parametrize("causal", [False, True])
-def test_sm90_forward_tma_strides(d, causal, monkeypatch):
+def test_sm90_tma_strides(d, causal, monkeypatch):
     # TMA descriptors need 16-byte strides. The op layer copies inputs whose strides are not, but
     # a dim of length 1 may keep any stride (here the batch of q and the seqlen of k, v): the
-    # warp-specialized kernel still takes them. FLASH_ATTN_SM90_FWD_SYNC=1 selects the cp.async kernel.
+    # warp-specialized kernels (forward; backward at head dims 64 and 128) still take them.
+    # FLASH_ATTN_SM90_FWD_SYNC=1 selects the cp.async forward.
     def odd_strided(b, s, h, stride):
         base = torch.randn(b * s * h * d + 4096, device="cuda", dtype=torch.bfloat16)
         return base.as_strided((b, s, h, d), stride).detach().requires_grad_()
     q = odd_strided(1, 300, 4, (12345, 4 * d, d, 1))
     k, v = odd_strided(1, 1, 2, (777, 3, d, 1)), odd_strided(1, 1, 2, (999, 5, d, 1))
     q2, k2, v2 = make(2, 300, 457, 4, 2, d, torch.float16)
-    names = kernel_names(lambda: (flash_attn_func(q, k, v, causal=causal), flash_attn_func(q2, k2, v2, causal=causal)))
+    names = kernel_names(lambda: (flash_attn_func(q, k, v, causal=causal).sum().backward(),
+                                  flash_attn_func(q2, k2, v2, causal=causal).sum().backward()))
     assert sum("flash_fwd_sm90_ws_kernel<" in n for n in names) == 2, names
+    assert sum("flash_bwd_sm90_ws_kernel<" in n for n in names) == (2 if d in (64, 128) else 0), names
     check_against_reference(q, k, v, causal=causal)
+    check_against_reference(q2, k2, v2, causal=causal)
     monkeypatch.setenv("FLASH_ATTN_SM90_FWD_SYNC", "1")
-    names = kernel_names(lambda: flash_attn_func(q2, k2, v2, causal=causal))
-    assert any("flash_fwd_sm90_kernel<" in n for n in names) and not any("_ws_" in n for n in names), names
+    names = kernel_names(lambda: flash_attn_func(q2, k2, v2, causal=causal).sum().backward())
+    assert any("flash_fwd_sm90_kernel<" in n for n in names) and not any("flash_fwd_sm90_ws" in n for n in names), names
     check_against_reference(q2, k2, v2, causal=causal)
 
 

@@ -114,11 +114,10 @@ __global__ void __launch_bounds__(T::kNThreads, 1) flash_bwd_dkdv_kernel(const B
   const HeadPtrs<Elem> hp = head_ptrs<Elem>(p, b, h);
   const Elem* dout = static_cast<const Elem*>(p.do_ptr) + b * p.do_batch_stride + h * p.do_head_stride;
   const float* lse = p.softmax_lse_ptr + int64_t(hp.bh) * p.seqlen_q;
-  const float* dsum = p.dsoftmax_sum_ptr + int64_t(hp.bh) * p.seqlen_q;
-  // dQ accumulator of this (batch, head): rows padded to kDqAccumRowPad, kD floats each, as
-  // dq_accum_shape() lays it out.
-  constexpr int kPad = kDqAccumRowPad;
-  float* dq_accum = T::kDoDQ ? p.dq_accum_ptr + int64_t(hp.bh) * ((p.seqlen_q + kPad - 1) / kPad * kPad) * kD : nullptr;
+  const int64_t rows_per_head = padded_query_rows(p.seqlen_q);
+  const float* dsum = p.dsoftmax_sum_ptr + hp.bh * rows_per_head;
+  // dQ accumulator of this (batch, head): kD floats per row, as dq_accum_shape() lays it out.
+  float* dq_accum = T::kDoDQ ? p.dq_accum_ptr + hp.bh * rows_per_head * kD : nullptr;
   const bool dropout = kDropout && p.p_dropout > 0.f;
   const DropoutState ds = dropout ? dropout_state_bwd(p) : DropoutState{};
 

@@ -10,18 +10,21 @@
 namespace flash::cuda {
 
 // D[b, h, i] = sum_d dO[b, i, h, d] * O[b, i, h, d], eight lanes per row, 16-byte loads (d is a
-// multiple of 8). In the atomic mode it also zeroes the row's dQ accumulator (kHeadDim floats;
-// rows past seqlen_q only ever receive zeros and are never read, so they are left alone).
+// multiple of 8), over the padded rows of padded_query_rows (their D is 0). Where set, it also
+// writes the row's base-2 logsumexp and zeroes the row's dQ accumulator (kHeadDim floats).
 template <typename Elem, int kHeadDim>
 __global__ void flash_bwd_dot_do_o_kernel(const BwdParams p) {
   constexpr int kLanes = 8;
+  const int64_t rows_per_head = padded_query_rows(p.seqlen_q);
   const int64_t row = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / kLanes;
   const int lane = threadIdx.x % kLanes;
-  const bool valid = row < int64_t(p.b) * p.seqlen_q * p.h;
+  const bool valid = row < int64_t(p.b) * rows_per_head * p.h;
   float sum = 0.f;
   int h = 0, i = 0, b = 0;
   if (valid) {
-    h = int(row % p.h), i = int((row / p.h) % p.seqlen_q), b = int(row / (int64_t(p.h) * p.seqlen_q));
+    h = int(row % p.h), i = int((row / p.h) % rows_per_head), b = int(row / (int64_t(p.h) * rows_per_head));
+  }
+  if (valid && i < p.seqlen_q) {
     const Elem* o = static_cast<const Elem*>(p.o_ptr) + b * p.o_batch_stride + i * p.o_row_stride + h * p.o_head_stride;
     const Elem* dout =
         static_cast<const Elem*>(p.do_ptr) + b * p.do_batch_stride + i * p.do_row_stride + h * p.do_head_stride;
@@ -32,21 +35,27 @@ __global__ void flash_bwd_dot_do_o_kernel(const BwdParams p) {
 #pragma unroll
       for (int e = 0; e < 8; ++e) sum += to_float(oe[e]) * to_float(de[e]);
     }
-    if (p.dq_accum_ptr != nullptr) {
-      const int64_t rows_per_head = (p.seqlen_q + kDqAccumRowPad - 1) / kDqAccumRowPad * kDqAccumRowPad;
-      float* acc = p.dq_accum_ptr + ((int64_t(b) * p.h + h) * rows_per_head + i) * kHeadDim;
+  }
+  const int64_t at = (int64_t(b) * p.h + h) * rows_per_head + i;
+  if (valid && p.dq_accum_ptr != nullptr) {
+    float* acc = p.dq_accum_ptr + at * kHeadDim;
 #pragma unroll
-      for (int c = lane * 4; c < kHeadDim; c += kLanes * 4) *reinterpret_cast<float4*>(acc + c) = float4{0.f, 0.f, 0.f, 0.f};
-    }
+    for (int c = lane * 4; c < kHeadDim; c += kLanes * 4) *reinterpret_cast<float4*>(acc + c) = float4{0.f, 0.f, 0.f, 0.f};
   }
 #pragma unroll
   for (int off = kLanes / 2; off > 0; off /= 2) sum += __shfl_xor_sync(0xffffffff, sum, off);
-  if (valid && lane == 0) p.dsoftmax_sum_ptr[(int64_t(b) * p.h + h) * p.seqlen_q + i] = sum;
+  if (valid && lane == 0) {
+    p.dsoftmax_sum_ptr[at] = sum;
+    if (p.softmax_lse_log2_ptr != nullptr) {
+      const float l = i < p.seqlen_q ? p.softmax_lse_ptr[(int64_t(b) * p.h + h) * p.seqlen_q + i] : kNegInf;
+      p.softmax_lse_log2_ptr[at] = l == kNegInf ? 0.f : l * kLog2e;
+    }
+  }
 }
 
 // dQ (batch, seqlen_q, h, d) in the input dtype from the float32 accumulator of the atomic mode
-// (layout of dq_accum_shape: rows padded to kDqAccumRowPad, row stride kHeadDim), times
-// softmax_scale; four elements per thread (d is a multiple of 8).
+// (layout of dq_accum_shape, columns as dq_accum_col places them), times softmax_scale; four
+// elements per thread (d is a multiple of 8).
 template <typename Elem, int kHeadDim>
 __global__ void flash_bwd_convert_dq_kernel(const BwdParams p) {
   const int64_t quad = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
@@ -57,8 +66,8 @@ __global__ void flash_bwd_convert_dq_kernel(const BwdParams p) {
   const int i = int(row % p.seqlen_q);
   const int64_t bh = row / p.seqlen_q;
   const int h = int(bh % p.h), b = int(bh / p.h);
-  const int64_t rows_per_head = (p.seqlen_q + kDqAccumRowPad - 1) / kDqAccumRowPad * kDqAccumRowPad;
-  const float4 x = *reinterpret_cast<const float4*>(p.dq_accum_ptr + (bh * rows_per_head + i) * kHeadDim + c);
+  const float4 x = *reinterpret_cast<const float4*>(p.dq_accum_ptr + (bh * padded_query_rows(p.seqlen_q) + i) * kHeadDim +
+                                                   dq_accum_col(p.dq_accum_swizzled, i, c));
   Elem* dst = static_cast<Elem*>(p.dq_ptr) + b * p.dq_batch_stride + i * p.dq_row_stride + h * p.dq_head_stride + c;
   const float sc = p.scale_softmax;
   uint2 packed;
@@ -92,7 +101,7 @@ __global__ void __launch_bounds__(T::kNThreads) flash_bwd_dq_kernel(const BwdPar
       const int row = m0 + warp_row + mt * 16 + g + 8 * hr;
       const bool ok = row < p.seqlen_q;
       lse2[mt][hr] = ok ? p.softmax_lse_ptr[int64_t(hp.bh) * p.seqlen_q + row] * kLog2e : 0.f;
-      dsum[mt][hr] = ok ? p.dsoftmax_sum_ptr[int64_t(hp.bh) * p.seqlen_q + row] : 0.f;
+      dsum[mt][hr] = ok ? p.dsoftmax_sum_ptr[int64_t(hp.bh) * padded_query_rows(p.seqlen_q) + row] : 0.f;
     }
 
   const TileSeq tiles = key_tiles<kN>(p, b, h, m0, kM);

@@ -6,16 +6,23 @@
 #include <cstdint>
 
 #include "../flash_params.h"
+#include "../host_device.h"
 
 namespace flash::cuda {
 
 // Head dims with compiled kernels; other sizes run on the next larger one (zero-padded).
 inline constexpr int kHeadDims[] = {32, 64, 96, 128, 160, 192, 224, 256};
 
-// The backward's float32 dQ accumulator (atomic mode) per (batch, head): rows padded to a
-// multiple of every main kernel's query block and a row stride of the kernel's head dim, so its
-// atomic adds need no bounds checks. Layout (batch, h, rows, row_stride).
+// The backward's per-row buffers (the float32 dQ accumulator of the atomic mode, D and the
+// base-2 logsumexp) have their rows padded per (batch, head) to a multiple of every main kernel's
+// query block, so whole query blocks can be read and added without bounds checks.
 inline constexpr int kDqAccumRowPad = 128;
+FLASH_HOST_DEVICE int64_t padded_query_rows(int64_t seqlen_q) {
+  return (seqlen_q + kDqAccumRowPad - 1) / kDqAccumRowPad * kDqAccumRowPad;
+}
+
+// The dQ accumulator: layout (batch, h, padded_query_rows, row_stride), the row stride the
+// kernel's head dim.
 struct DqAccumShape {
   int64_t rows, row_stride;
 };
@@ -26,8 +33,13 @@ inline DqAccumShape dq_accum_shape(int64_t seqlen_q, int64_t d) {
       stride = hd;
       break;
     }
-  return DqAccumShape{(seqlen_q + kDqAccumRowPad - 1) / kDqAccumRowPad * kDqAccumRowPad, stride};
+  return DqAccumShape{padded_query_rows(seqlen_q), stride};
 }
+
+// Where column `col` of accumulator row `row` lives when BwdParams::dq_accum_swizzled: groups of
+// 8 columns XOR-ed with the row's low 3 bits, the layout the warp-specialized sm90 backward keeps
+// its dQ tile in shared memory (bank-conflict free) and reduces into the accumulator as one block.
+FLASH_HOST_DEVICE int dq_accum_col(bool swizzled, int row, int col) { return swizzled ? col ^ ((row & 7) << 3) : col; }
 
 void run_fwd(FwdParams& params, cudaStream_t stream);
 void run_bwd(BwdParams& params, cudaStream_t stream);

@@ -14,26 +14,25 @@ template <typename Elem>
 struct BwdHeadPtrs {
   cuda::HeadPtrs<Elem> in;  // q, k, v and bh
   const Elem* dout;
-  const float *lse, *dsum;
+  const float *lse2, *dsum;  // base-2 logsumexp and D (padded rows)
   float* dq_accum;
 };
 
 template <typename Elem, int kD, int kM>
 __device__ __forceinline__ BwdHeadPtrs<Elem> bwd_head_ptrs(const BwdParams& p, int b, int h) {
-  constexpr int kPad = cuda::kDqAccumRowPad;
-  static_assert(kPad % kM == 0, "dq_accum_shape() pads rows to the query block");
+  static_assert(cuda::kDqAccumRowPad % kM == 0, "padded_query_rows() pads rows to the query block");
+  const int64_t rows_per_head = cuda::padded_query_rows(p.seqlen_q);
   BwdHeadPtrs<Elem> r;
   r.in = cuda::head_ptrs<Elem>(p, b, h);
   r.dout = static_cast<const Elem*>(p.do_ptr) + b * p.do_batch_stride + h * p.do_head_stride;
-  r.lse = p.softmax_lse_ptr + int64_t(r.in.bh) * p.seqlen_q;
-  r.dsum = p.dsoftmax_sum_ptr + int64_t(r.in.bh) * p.seqlen_q;
-  r.dq_accum = p.dq_accum_ptr + int64_t(r.in.bh) * ((p.seqlen_q + kPad - 1) / kPad * kPad) * kD;
+  r.lse2 = p.softmax_lse_log2_ptr + r.in.bh * rows_per_head;
+  r.dsum = p.dsoftmax_sum_ptr + r.in.bh * rows_per_head;
+  r.dq_accum = p.dq_accum_ptr + r.in.bh * rows_per_head * kD;
   return r;
 }
 
 // Queue the cp.async loads of query block i0 (kM rows): Q and dO into one stage of their
-// swizzled (kM x kD) tiles, the rows' logsumexp and D into sLse / sDsum (rows past seqlen_q get
-// zeros; the mask removes them).
+// swizzled (kM x kD) tiles, the rows' base-2 logsumexp and D into sLse / sDsum.
 template <int kM, int kD, int kThreads, typename Elem, typename SmemTile>
 __device__ __forceinline__ void load_q_do_stats(SmemTile&& sQ, SmemTile&& sdO, float* sLse, float* sDsum,
                                                 const BwdHeadPtrs<Elem>& hp, const BwdParams& p, int i0, int tid) {
@@ -44,8 +43,7 @@ __device__ __forceinline__ void load_q_do_stats(SmemTile&& sQ, SmemTile&& sdO, f
                                        p.seqlen_q - i0, p.d, tid);
   const int r = tid % kM, i = i0 + r;
   if (tid < 2 * kM)
-    cuda::cp_async_4((tid < kM ? sLse : sDsum) + r, (tid < kM ? hp.lse : hp.dsum) + (i < p.seqlen_q ? i : 0),
-                     i < p.seqlen_q);
+    cuda::cp_async_4((tid < kM ? sLse : sDsum) + r, (tid < kM ? hp.lse2 : hp.dsum) + i, true);
 }
 
 // Queue the cp.async loads of the CTA's K and V tiles (keys [j0, j0 + kN); rows past seqlen_k
@@ -115,17 +113,16 @@ __device__ __forceinline__ void mask_tile_kmajor(float (&s)[kM / 8][4], const Fw
     }
 }
 
-// P^T = exp2(S^T scale_log2 - lse log2 e) in place on a key-major tile; lse_t points at the stage's
-// logsumexp of query column 2 t. A query row that sees no key has lse = -inf and every score
-// masked: 0 is used there so exp2 gives 0, not NaN.
+// P^T = exp2(S^T scale_log2 - lse log2 e) in place on a key-major tile; lse2_t points at the
+// stage's base-2 logsumexp of query column 2 t (the pre-pass stores 0 for a query row that sees
+// no key, whose scores are all masked, so exp2 gives 0, not NaN).
 template <int kM>
-__device__ __forceinline__ void probs_kmajor(float (&s)[kM / 8][4], const float* lse_t, float scale_log2) {
+__device__ __forceinline__ void probs_kmajor(float (&s)[kM / 8][4], const float* lse2_t, float scale_log2) {
 #pragma unroll
   for (int n = 0; n < kM / 8; ++n)
 #pragma unroll
     for (int e = 0; e < 2; ++e) {
-      const float l = lse_t[n * 8 + e];
-      const float lse2 = l == cuda::kNegInf ? 0.f : l * cuda::kLog2e;
+      const float lse2 = lse2_t[n * 8 + e];
 #pragma unroll
       for (int hr = 0; hr < 2; ++hr) s[n][2 * hr + e] = cuda::fast_exp2(fmaf(s[n][2 * hr + e], scale_log2, -lse2));
     }

@@ -5,38 +5,61 @@
 
 #include "../cuda/flash_launch.h"
 #include "../cuda/launch_utils.cuh"
-#include "flash_bwd_sm90_kernel.cuh"
 #include "flash_bwd_sm90_split_d_kernel.cuh"
+#include "flash_bwd_sm90_ws_kernel.cuh"
+#include "tma_view.cuh"
 
 namespace flash::hopper {
 
-// Up to head dim 128: 128 keys per CTA on two warpgroups (one per 64 keys), 64 queries per step.
+// Up to head dim 128: the warp-specialized kernel, 128 keys per CTA on two MMA warpgroups (one per
+// 64 keys), 64 queries per step.
 template <typename Elem, int kHeadDim>
-using BwdSm90Config = BwdSm90Traits<Elem, kHeadDim, 64, 128>;
+using BwdSm90WsConfig = BwdSm90WsTraits<Elem, kHeadDim>;
 
 // Above: 64 keys per CTA, the head dim split into 128-column slices (256: two warpgroups) or
 // 64-column ones (192: three).
 template <typename Elem, int kHeadDim>
 using BwdSm90SplitDConfig = BwdSm90SplitDTraits<Elem, kHeadDim, kHeadDim % 128 == 0 ? 128 : 64>;
 
+template <typename T>
+BwdSm90WsParams<T> bwd_ws_params(const BwdParams& p) {
+  using CElem = typename T::CElem;
+  using cute::SM90_TMA_LOAD;
+  return BwdSm90WsParams<T>{p,
+                            make_tma_copy(SM90_TMA_LOAD{}, q_view(p).tensor<CElem>(), typename T::SmemLayoutQStage{}),
+                            make_tma_copy(SM90_TMA_LOAD{}, do_view(p).tensor<CElem>(), typename T::SmemLayoutQStage{}),
+                            make_tma_copy(SM90_TMA_LOAD{}, k_view(p).tensor<CElem>(), typename T::SmemLayoutK{}),
+                            make_tma_copy(SM90_TMA_LOAD{}, v_view(p).tensor<CElem>(), typename T::SmemLayoutK{})};
+}
+
 // Runs the backward's main kernel here and returns true where this path applies: an sm_90 GPU,
 // a head dim of has_sm90_bwd, the atomic dQ mode (dq_accum_ptr set, i.e. not deterministic), no
-// dropout, enough shared memory and FLASH_ATTN_DISABLE_SM90 unset. Otherwise returns false. The
-// portable launcher runs the D pre-pass before and the dQ conversion after.
+// dropout, enough shared memory and FLASH_ATTN_DISABLE_SM90 unset; up to head dim 128 also
+// operands TMA can address (the op layer's cuda_operand makes them so) and the pre-pass's base-2
+// logsumexp. Otherwise returns false. The portable launcher runs the D pre-pass before and the dQ
+// conversion after; the warp-specialized kernel leaves dQ in the accumulator's swizzled layout,
+// which p then records for the conversion.
 template <typename Elem, int kHeadDim>
 bool run_mha_bwd_sm90_(BwdParams& p, cudaStream_t stream) {
   static_assert(has_sm90_bwd<kHeadDim>, "instantiated for the head dims of has_sm90_bwd only");
-  using T = std::conditional_t<(kHeadDim <= 128), BwdSm90Config<Elem, kHeadDim>, BwdSm90SplitDConfig<Elem, kHeadDim>>;
+  using T = std::conditional_t<(kHeadDim <= 128), BwdSm90WsConfig<Elem, kHeadDim>, BwdSm90SplitDConfig<Elem, kHeadDim>>;
   if (!cuda::sm90_path_enabled() || p.dq_accum_ptr == nullptr || p.p_dropout > 0.f ||
       T::kSmemBytes > cuda::smem_per_block_optin())
     return false;
   const dim3 grid((p.seqlen_k + T::kBlockN - 1) / T::kBlockN, p.h, p.b);
   const bool sparse = p.k_block_lists != nullptr;
-  if constexpr (kHeadDim <= 128)
-    cuda::launch<T>(sparse ? &flash_bwd_sm90_kernel<T, true> : &flash_bwd_sm90_kernel<T, false>, grid, p, stream);
-  else
+  if constexpr (kHeadDim <= 128) {
+    if (p.softmax_lse_log2_ptr == nullptr || !q_view(p).compatible() || !do_view(p).compatible() ||
+        !k_view(p).compatible() || !v_view(p).compatible())
+      return false;
+    const BwdSm90WsParams<T> args = bwd_ws_params<T>(p);
+    cuda::launch<T>(sparse ? &flash_bwd_sm90_ws_kernel<T, true> : &flash_bwd_sm90_ws_kernel<T, false>, grid, args,
+                    stream);
+    p.dq_accum_swizzled = true;
+  } else {
     cuda::launch<T>(sparse ? &flash_bwd_sm90_split_d_kernel<T, true> : &flash_bwd_sm90_split_d_kernel<T, false>, grid,
                     p, stream);
+  }
   return true;
 }
 

@@ -1,27 +1,38 @@
-// Tile shapes, shared-memory layouts and GMMA tilings of the sm90 backward kernel.
+// Tile shapes, shared-memory layouts and GMMA tilings of the sm90 backward kernels.
 #pragma once
 
 #include "wgmma_utils.cuh"
 
+#include <cute/atom/copy_traits_sm90_tma.hpp>
+
 namespace flash::hopper {
 
-// One CTA per block of kBlockN keys on kBlockN / 64 warpgroups, stepping over blocks of kBlockM
-// queries (Q, dO and their rows' logsumexp and D double-buffered). Each warpgroup owns 64 keys:
+// The warp-specialized backward (flash_bwd_sm90_ws_kernel.cuh), head dims up to 128: one CTA per
+// block of kBlockN = 128 keys, stepping over blocks of kBlockM = 64 queries (Q, dO and their rows'
+// logsumexp and D in two stages). A producer warpgroup (TMA loads; dQ bulk reductions) gives its
+// registers to two MMA warpgroups, each owning 64 keys:
 //  S^T = K Q^T and dP^T = V dO^T (64 keys x kBlockM queries, both operands K-major in shared
 //    memory), so P^T and dS^T come out in registers as the A operands of
 //  dV += P^T dO and dK += dS^T Q (64 keys x d; B = MN-major views of the dO and Q tiles);
-//  dQ = dS K (kBlockM x d) reads dS^T through shared memory (an MN-major A operand) and K^T as
-//    an MN-major view of the K tile; the warpgroups split it along d where each slice is a whole
-//    number of 64-column swizzle atoms (kDqSplitN), else warpgroup 0 computes it alone (one
-//    warpgroup's GMMAs keep all four tensor cores busy, so this costs little).
-template <typename Elem_, int kHeadDim_, int kBlockM_, int kBlockN_>
-struct BwdSm90Traits {
+//  dQ = dS K (kBlockM x d) reads dS^T through shared memory (an MN-major A operand, two buffers)
+//    and K^T as an MN-major view of the K tile, into float32 tiles in shared memory. The
+//    warpgroups split it along d where each half is whole 64-column swizzle atoms (kDqSplitN),
+//    else (head dim 64) along the keys: each warpgroup its own 64 keys' partial sum in its own
+//    tile (both tiles are reduced into the accumulator).
+template <typename Elem_, int kHeadDim_>
+struct BwdSm90WsTraits {
   using Elem = Elem_;
   using CElem = CuteElem<Elem>;
-  static constexpr int kHeadDim = kHeadDim_, kBlockM = kBlockM_, kBlockN = kBlockN_, kStages = 2;
-  static constexpr int kNWarpGroups = kBlockN / 64, kNThreads = 128 * kNWarpGroups;
-  static constexpr bool kDqSplitN = (kHeadDim / kNWarpGroups) % 64 == 0;
-  static_assert(kBlockN % 64 == 0 && kHeadDim % 64 == 0 && kBlockM == 64, "tile shapes");
+  static constexpr int kHeadDim = kHeadDim_, kBlockM = 64, kBlockN = 128, kStages = 2;
+  static constexpr int kNWarpGroups = kBlockN / 64, kNConsumerThreads = 128 * kNWarpGroups;
+  static constexpr int kNThreads = kNConsumerThreads + 128;
+  static constexpr int kProducerRegs = 24, kConsumerRegs = 240;  // 128 x 24 + 256 x 240 <= 64K
+  static constexpr bool kDqSplitN = (kHeadDim / kNWarpGroups) % 64 == 0, kDqSplitK = !kDqSplitN;
+  static constexpr int kDqN = kDqSplitN ? kHeadDim / kNWarpGroups : kHeadDim, kDqTiles = kDqSplitK ? 2 : 1;
+  static_assert(kHeadDim % 64 == 0 && kHeadDim <= 128, "tile shapes");
+  // Named barriers (ids past those CUTLASS reserves): dS complete (per warpgroup when dQ is split
+  // along the keys: ids 1 and 2); dQ tiles written; dQ tiles read.
+  static constexpr int kBarDsReady = 1, kBarDqFull = 3, kBarDqEmpty = 4;
 
   using _D = cute::Int<kHeadDim>;
   using _M = cute::Int<kBlockM>;
@@ -29,35 +40,48 @@ struct BwdSm90Traits {
   using _S = cute::Int<kStages>;
   using Atom = SmemAtomK<CElem, kHeadDim>;
   using SmemLayoutQ = decltype(cute::tile_to_shape(Atom{}, cute::Shape<_M, _D, _S>{}));  // Q and dO
-  using SmemLayoutK = decltype(cute::tile_to_shape(Atom{}, cute::Shape<_N, _D>{}));      // K and V
+  using SmemLayoutQStage = decltype(cute::tile_to_shape(Atom{}, cute::Shape<_M, _D>{}));
+  using SmemLayoutK = decltype(cute::tile_to_shape(Atom{}, cute::Shape<_N, _D>{}));  // K and V
   // Transposed views of the same bytes (MN-major B operands).
   using SmemLayoutQt = decltype(cute::composition(
       SmemLayoutQ{}, cute::make_ordered_layout(cute::Shape<_D, _M, _S>{}, cute::Step<cute::_2, cute::_1, cute::_3>{})));
   using SmemLayoutKt = decltype(cute::composition(
       SmemLayoutK{}, cute::make_ordered_layout(cute::Shape<_D, _N>{}, cute::Step<cute::_2, cute::_1>{})));
-  // dS as the (queries x keys) A operand of dQ = dS K, queries contiguous.
-  using SmemLayoutdS =
-      decltype(cute::tile_to_shape(cute::GMMA::Layout_MN_SW128_Atom<CElem>{}, cute::Shape<_M, _N>{}));
+  // dS as the (queries x keys) A operand of dQ = dS K, queries contiguous; two buffers.
+  using SmemLayoutdS2 = decltype(cute::tile_to_shape(cute::GMMA::Layout_MN_SW128_Atom<CElem>{},
+                                                     cute::Shape<_M, _N, cute::_2>{}));
 
+  using WarpGroups = cute::Layout<cute::Shape<cute::Int<kNWarpGroups>, cute::_1, cute::_1>>;
   using TiledMmaSdP = decltype(cute::make_tiled_mma(
-      cute::GMMA::ss_op_selector<CElem, CElem, float, cute::Shape<cute::_64, _M, _D>>(),
-      cute::Layout<cute::Shape<cute::Int<kNWarpGroups>, cute::_1, cute::_1>>{}));
+      cute::GMMA::ss_op_selector<CElem, CElem, float, cute::Shape<cute::_64, _M, _D>>(), WarpGroups{}));
   using TiledMmadKV = decltype(cute::make_tiled_mma(
       cute::GMMA::rs_op_selector<CElem, CElem, float, cute::Shape<cute::_64, _D, _M>, cute::GMMA::Major::K,
                                  cute::GMMA::Major::MN>(),
-      cute::Layout<cute::Shape<cute::Int<kNWarpGroups>, cute::_1, cute::_1>>{}));
-  static constexpr int kDqN = kDqSplitN ? kHeadDim / kNWarpGroups : kHeadDim;
-  using DqWarpGroups = cute::Layout<cute::Shape<cute::_1, cute::Int<kDqSplitN ? kNWarpGroups : 1>, cute::_1>>;
+      WarpGroups{}));
+  // dQ per warpgroup: (kBlockM x kDqN) over all keys, or (kBlockM x d) over its 64 keys.
   using TiledMmadQ = decltype(cute::make_tiled_mma(
-      cute::GMMA::ss_op_selector<CElem, CElem, float, cute::Shape<cute::_64, cute::Int<kDqN>, _N>,
+      cute::GMMA::ss_op_selector<CElem, CElem, float,
+                                 cute::Shape<cute::_64, cute::Int<kDqN>, cute::Int<kDqSplitN ? kBlockN : 64>>,
                                  cute::GMMA::Major::MN, cute::GMMA::Major::MN>(),
-      DqWarpGroups{}));
+      cute::Layout<cute::Shape<cute::_1, cute::Int<kDqSplitN ? kNWarpGroups : 1>, cute::_1>>{}));
+
+  // TMA views of q, dO, k and v: (seqlen, head dim, heads, batch), the head dim contiguous.
+  using GmemTensor = decltype(cute::make_tensor(cute::make_gmem_ptr(static_cast<const CElem*>(nullptr)),
+                                                cute::Shape<int32_t, int32_t, int32_t, int32_t>{},
+                                                cute::Stride<int64_t, cute::_1, int64_t, int64_t>{}));
+  using TmaQ = decltype(cute::make_tma_copy(cute::SM90_TMA_LOAD{}, GmemTensor{}, SmemLayoutQStage{}));
+  using TmaK = decltype(cute::make_tma_copy(cute::SM90_TMA_LOAD{}, GmemTensor{}, SmemLayoutK{}));
 
   static constexpr int kSmemQ = int(cute::cosize_v<SmemLayoutQ>), kSmemK = int(cute::cosize_v<SmemLayoutK>);
-  static constexpr int kSmemdS = int(cute::cosize_v<SmemLayoutdS>);
-  static constexpr int kSmemAlign = 1024;  // the 128-byte swizzle repeats every 1024 bytes
-  static constexpr int kSmemBytes = (2 * kSmemQ + 2 * kSmemK + kSmemdS) * int(sizeof(Elem)) +
-                                    2 * kStages * kBlockM * int(sizeof(float)) + kSmemAlign;
+  static constexpr int kSmemdS2 = int(cute::cosize_v<SmemLayoutdS2>);
+  static constexpr uint32_t kKBytes = kSmemK * sizeof(CElem);
+  // Per stage: Q and dO tiles, and their rows' logsumexp and D.
+  static constexpr uint32_t kStageBytes = 2 * kBlockM * kHeadDim * sizeof(CElem) + 2 * kBlockM * sizeof(float);
+  static constexpr int kNBarriers = 1 + 2 * kStages;  // K and V; per stage full, empty
+  static constexpr int kSmemAlign = 1024;             // the 128-byte swizzle repeats every 1024 bytes
+  static constexpr int kSmemBytes = (2 * kSmemQ + 2 * kSmemK + kSmemdS2) * int(sizeof(CElem)) +
+                                    (kDqTiles * kBlockM * kHeadDim + 2 * kStages * kBlockM) * int(sizeof(float)) +
+                                    kNBarriers * 8 + kSmemAlign;
 };
 
 // Head dims above 128, where 128 keys' dK and dV accumulators would not fit in registers: one CTA

@@ -1,0 +1,236 @@
+// The warp-specialized sm90 backward (FlashAttention-3's schedule) for head dims up to 128: the
+// portable backward's algorithm (flash_bwd_dkdv_kernel.cuh) on warpgroup MMAs. One CTA per 128
+// keys; for each block of 64 queries that can see them it recomputes S^T = K Q^T, P^T = exp(S^T -
+// lse) and dP^T = V dO^T (keys as the MMA rows, so P^T and dS^T = P^T (dP^T - D) stay in registers
+// as the A operands of dV += P^T dO and dK += dS^T Q), and dQ = dS K goes through shared memory.
+// dS is unscaled: softmax_scale goes to dK in the epilogue and to dQ in the conversion. The data
+// movement is off the MMA warpgroups:
+// - a producer warp streams each step's Q, dO (TMA) and their rows' base-2 logsumexp and D (bulk
+//   copies) into two mbarrier-guarded stages; K and V arrive once, also by TMA;
+// - the MMA warpgroups leave dQ = dS K in shared memory (float32, in dq_accum_col's swizzled
+//   layout) and a second producer warp adds the whole tile into the accumulator with one bulk
+//   reduction (cp.reduce.async.bulk), instead of one float2 atomic per pair of values.
+#pragma once
+
+#include <cutlass/arch/barrier.h>
+#include <cutlass/arch/reg_reconfig.h>
+
+#include "flash_bwd_sm90_common.cuh"
+#include "flash_bwd_sm90_traits.cuh"
+
+namespace flash::hopper {
+
+// The kernel's parameters: the op's, plus the TMA descriptors the launcher built.
+template <typename T>
+struct BwdSm90WsParams {
+  BwdParams p;
+  typename T::TmaQ tma_q, tma_do;
+  typename T::TmaK tma_k, tma_v;
+};
+
+// bytes of shared memory at src -> float32 adds into global memory at dst, as one bulk operation
+// of this thread's bulk group.
+__device__ __forceinline__ void bulk_reduce_add_f32(float* dst, const float* src, int bytes) {
+  asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n" ::"l"(dst),
+               "r"(cuda::smem_addr(src)), "r"(bytes)
+               : "memory");
+}
+
+template <typename T, bool kBlockSparse>
+__global__ void __launch_bounds__(T::kNThreads, 1) flash_bwd_sm90_ws_kernel(const __grid_constant__ BwdSm90WsParams<T> args) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  using namespace cute;
+  using Elem = typename T::Elem;
+  using CElem = typename T::CElem;
+  using Barrier = cutlass::arch::ClusterTransactionBarrier;
+  using cutlass::arch::NamedBarrier;
+  constexpr int kD = T::kHeadDim, kM = T::kBlockM, kN = T::kBlockN, kStages = T::kStages;
+  const BwdParams& p = args.p;
+  extern __shared__ char smem_raw[];
+  CElem* sq_ptr = aligned_smem<T::kSmemAlign, CElem>(smem_raw);
+  CElem* sdo_ptr = sq_ptr + T::kSmemQ;
+  CElem* sk_ptr = sdo_ptr + T::kSmemQ;
+  CElem* sv_ptr = sk_ptr + T::kSmemK;
+  CElem* sds_ptr = sv_ptr + T::kSmemK;
+  float* sdQ = reinterpret_cast<float*>(sds_ptr + T::kSmemdS2);
+  float* sLse = sdQ + T::kDqTiles * kM * kD;  // per stage, per query
+  float* sDsum = sLse + kStages * kM;
+  uint64_t* kv_full = reinterpret_cast<uint64_t*>(sDsum + kStages * kM);
+  uint64_t* full = kv_full + 1;  // per stage: Q, dO, logsumexp, D
+  uint64_t* empty = full + kStages;
+  Tensor sQ = make_tensor(make_smem_ptr(sq_ptr), typename T::SmemLayoutQ{});
+  Tensor sdO = make_tensor(make_smem_ptr(sdo_ptr), typename T::SmemLayoutQ{});
+  Tensor sQt = make_tensor(make_smem_ptr(sq_ptr), typename T::SmemLayoutQt{});
+  Tensor sdOt = make_tensor(make_smem_ptr(sdo_ptr), typename T::SmemLayoutQt{});
+  Tensor sK = make_tensor(make_smem_ptr(sk_ptr), typename T::SmemLayoutK{});
+  Tensor sV = make_tensor(make_smem_ptr(sv_ptr), typename T::SmemLayoutK{});
+  Tensor sKt = make_tensor(make_smem_ptr(sk_ptr), typename T::SmemLayoutKt{});
+  Tensor sdS = make_tensor(make_smem_ptr(sds_ptr), typename T::SmemLayoutdS2{});  // (queries, keys, buffer)
+
+  const int n_block = blockIdx.x, j0 = n_block * kN, h = blockIdx.y, b = blockIdx.z;
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const int64_t stat_rows = cuda::padded_query_rows(p.seqlen_q);
+  const int64_t bh = int64_t(b) * p.h + h;
+  if (tid == 0) {
+    Barrier::init(kv_full, 1);
+    for (int s = 0; s < kStages; ++s) {
+      Barrier::init(full + s, 1);
+      Barrier::init(empty + s, T::kNConsumerThreads / 32);
+    }
+    cutlass::arch::fence_barrier_init();
+  }
+  // Every warp walks the same query blocks.
+  const TileSeq tiles = cuda::query_tiles<kM, kN, kBlockSparse>(p, b, h, j0);
+  __syncthreads();
+
+  if (warp < 4) {  // producer warpgroup
+    cutlass::arch::warpgroup_reg_dealloc<T::kProducerRegs>();
+    if (warp == 0) {  // loads: one thread issues every copy
+      if (lane != 0 || tiles.count == 0) return;
+      const int hk = h / p.h_h_k_ratio;
+      Tensor mQ = args.tma_q.get_tma_tensor(make_shape(p.seqlen_q, p.d, p.h, p.b));
+      Tensor mdO = args.tma_do.get_tma_tensor(make_shape(p.seqlen_q, p.d, p.h, p.b));
+      Tensor mK = args.tma_k.get_tma_tensor(make_shape(p.seqlen_k, p.d, p.h_k, p.b));
+      Tensor mV = args.tma_v.get_tma_tensor(make_shape(p.seqlen_k, p.d, p.h_k, p.b));
+      Tensor gQ = local_tile(mQ(_, _, h, b), Shape<Int<kM>, Int<kD>>{}, make_coord(_, 0));  // (kM, kD, block)
+      Tensor gdO = local_tile(mdO(_, _, h, b), Shape<Int<kM>, Int<kD>>{}, make_coord(_, 0));
+      Tensor gK = local_tile(mK(_, _, hk, b), Shape<Int<kN>, Int<kD>>{}, make_coord(n_block, 0));
+      Tensor gV = local_tile(mV(_, _, hk, b), Shape<Int<kN>, Int<kD>>{}, make_coord(n_block, 0));
+      auto [tQg, tQs] = tma_partition(args.tma_q, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
+      auto [tdOg, tdOs] =
+          tma_partition(args.tma_do, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sdO), group_modes<0, 2>(gdO));
+      auto [tKg, tKs] = tma_partition(args.tma_k, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
+      auto [tVg, tVs] = tma_partition(args.tma_v, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sV), group_modes<0, 2>(gV));
+      Barrier::arrive_and_expect_tx(kv_full, 2 * T::kKBytes);
+      copy(args.tma_k.with(*kv_full), tKg, tKs);
+      copy(args.tma_v.with(*kv_full), tVg, tVs);
+      const float* lse2 = p.softmax_lse_log2_ptr + bh * stat_rows;
+      const float* dsum = p.dsoftmax_sum_ptr + bh * stat_rows;
+      for (int it = 0; it < tiles.count; ++it) {
+        const int stage = it % kStages, mb = tiles[it];
+        Barrier::wait(empty + stage, ((it / kStages) & 1) ^ 1);  // a fresh barrier passes parity 1 at once
+        Barrier::arrive_and_expect_tx(full + stage, T::kStageBytes);
+        copy(args.tma_q.with(full[stage]), tQg(_, mb), tQs(_, stage));
+        copy(args.tma_do.with(full[stage]), tdOg(_, mb), tdOs(_, stage));
+        SM90_BULK_COPY_G2S::copy(lse2 + mb * kM, full + stage, sLse + stage * kM, kM * int(sizeof(float)));
+        SM90_BULK_COPY_G2S::copy(dsum + mb * kM, full + stage, sDsum + stage * kM, kM * int(sizeof(float)));
+      }
+    } else if (warp == 1) {  // dQ: each step's tile from shared memory into the accumulator
+      float* dq_accum = p.dq_accum_ptr + bh * stat_rows * kD;
+      for (int it = 0; it < tiles.count; ++it) {
+        NamedBarrier::sync(T::kNConsumerThreads + 32, T::kBarDqFull);
+        if (lane == 0) {
+          for (int q = 0; q < T::kDqTiles; ++q)
+            bulk_reduce_add_f32(dq_accum + int64_t(tiles[it]) * kM * kD, sdQ + q * kM * kD, kM * kD * int(sizeof(float)));
+          tma_store_arrive();
+          tma_store_wait<0>();  // the tile has been read
+        }
+        __syncwarp();
+        if (it + 1 < tiles.count) NamedBarrier::arrive(T::kNConsumerThreads + 32, T::kBarDqEmpty);
+      }
+      if (lane == 0) asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
+    }
+    return;
+  }
+
+  // MMA warpgroups 0 and 1 (threads 128..383), 64 keys each.
+  cutlass::arch::warpgroup_reg_alloc<T::kConsumerRegs>();
+  const int ctid = tid - 128, cwarp = ctid / 32, wg = cwarp / 4, g = lane / 4, t = lane % 4;
+  const int key16 = cwarp * 16;  // this warp's 16 keys, relative to j0
+  // This thread's share of dQ (see BwdSm90WsTraits): rows, columns and tile.
+  const int dq_row16 = (cwarp % 4) * 16, dq_col0 = T::kDqSplitN ? wg * T::kDqN : 0;
+  float* dq_tile = sdQ + (T::kDqSplitK ? wg * kM * kD : 0);
+
+  typename T::TiledMmaSdP mma_sdp;
+  typename T::TiledMmadKV mma_dkv;
+  typename T::TiledMmadQ mma_dq;
+  auto thr_sdp = mma_sdp.get_thread_slice(ctid);
+  auto thr_dkv = mma_dkv.get_thread_slice(ctid);
+  auto thr_dq = mma_dq.get_thread_slice(ctid % size(mma_dq));
+  Tensor tSrK = thr_sdp.partition_fragment_A(sK);
+  Tensor tSrV = thr_sdp.partition_fragment_A(sV);
+  Tensor tSrQ = thr_sdp.partition_fragment_B(sQ);  // (MMA, MMA_N, MMA_K, stage)
+  Tensor tSrdO = thr_sdp.partition_fragment_B(sdO);
+  Tensor tSrS = partition_fragment_C(mma_sdp, Shape<Int<kN>, Int<kM>>{});
+  Tensor tSrdP = partition_fragment_C(mma_sdp, Shape<Int<kN>, Int<kM>>{});
+  Tensor tKVrdO = thr_dkv.partition_fragment_B(sdOt);  // (MMA, MMA_N, MMA_K, stage)
+  Tensor tKVrQ = thr_dkv.partition_fragment_B(sQt);
+  const auto keys_by_queries = make_tensor(make_smem_ptr(sds_ptr), Layout<Shape<Int<kN>, Int<kM>>>{});
+  Tensor tKVrP = thr_dkv.partition_fragment_A(keys_by_queries);  // registers
+  Tensor tKVrdS = thr_dkv.partition_fragment_A(keys_by_queries);
+  Tensor tdVrdV = partition_fragment_C(mma_dkv, Shape<Int<kN>, Int<kD>>{});
+  Tensor tdKrdK = partition_fragment_C(mma_dkv, Shape<Int<kN>, Int<kD>>{});
+  // dQ's operands: dS (queries x keys, per buffer) and K^T, or this warpgroup's 64 keys of them.
+  const auto dq_a = [&] {
+    if constexpr (T::kDqSplitK) return flat_divide(sdS, Shape<Int<kM>, _64>{})(_, _, 0, wg, _);
+    else return sdS;
+  }();
+  const auto dq_b = [&] {
+    if constexpr (T::kDqSplitK) return flat_divide(sKt, Shape<Int<kD>, _64>{})(_, _, 0, wg);
+    else return sKt;
+  }();
+  Tensor tQrdS = thr_dq.partition_fragment_A(dq_a);  // (MMA, MMA_M, MMA_K, buffer)
+  Tensor tQrKt = thr_dq.partition_fragment_B(dq_b);
+  Tensor tdQrdQ = partition_fragment_C(mma_dq, Shape<Int<kM>, Int<kD>>{});
+  float(&s)[kM / 8][4] = as_rows16<kM>(tSrS);
+  float(&dp)[kM / 8][4] = as_rows16<kM>(tSrdP);
+  float(&dv)[kD / 8][4] = as_rows16<kD>(tdVrdV);
+  float(&dk)[kD / 8][4] = as_rows16<kD>(tdKrdK);
+  float(&dq)[T::kDqN / 8][4] = as_rows16<T::kDqN>(tdQrdQ);
+  cuda::zero<kD>(dk);
+  cuda::zero<kD>(dv);
+
+  if (tiles.count > 0) Barrier::wait(kv_full, 0);
+  for (int it = 0; it < tiles.count; ++it) {
+    const int stage = it % kStages, buf = it & 1, i0 = tiles[it] * kM;
+    Barrier::wait(full + stage, (it / kStages) & 1);
+    wgmma_gemm<true, -1>(mma_sdp, tSrK, tSrQ(_, _, _, stage), tSrS);
+    wgmma_gemm<true, -1>(mma_sdp, tSrV, tSrdO(_, _, _, stage), tSrdP);
+
+    wgmma_wait<1>(tSrS);
+    if (!(cuda::tile_fully_visible(p, i0, i0 + kM, j0, j0 + kN) && i0 + kM <= p.seqlen_q))
+      mask_tile_kmajor<kM>(s, p, j0 + key16, i0, lane);
+    probs_kmajor<kM>(s, sLse + stage * kM + 2 * t, p.scale_softmax_log2);
+    wgmma_wait<0>(tSrdP);
+    dscores_kmajor<kM>(dp, s, sDsum + stage * kM + 2 * t);
+    to_a_operand<Elem, kM>(tKVrP, s);
+    wgmma_gemm<false, -1>(mma_dkv, tKVrP, tKVrdO(_, _, _, stage), tdVrdV);
+    to_a_operand<Elem, kM>(tKVrdS, dp);
+    // dS^T to shared memory (queries contiguous) for dQ = dS K, from its packed A operand before
+    // the MMA takes it (so the float scores are dead during the MMAs). Two buffers, so this
+    // step's write cannot race the other warpgroup's dQ of the step before.
+    const auto ds_packed = recast<uint32_t>(tKVrdS);  // value 2 n + hr: keys g + 8 hr, queries 8 n + 2 t + {0, 1}
+#pragma unroll
+    for (int n = 0; n < kM / 8; ++n)
+#pragma unroll
+      for (int hr = 0; hr < 2; ++hr)
+        *reinterpret_cast<uint32_t*>(&sdS(n * 8 + 2 * t, key16 + g + 8 * hr, buf)) = ds_packed(2 * n + hr);
+    wgmma_gemm<false, -1>(mma_dkv, tKVrdS, tKVrQ(_, _, _, stage), tdKrdK);
+    fence_proxy_async_smem();
+    if constexpr (T::kDqSplitK) NamedBarrier::sync(128, T::kBarDsReady + wg);  // only this warpgroup's dS is read
+    else NamedBarrier::sync(T::kNConsumerThreads, T::kBarDsReady);
+    wgmma_gemm<true, -1>(mma_dq, tQrdS(_, _, _, buf), tQrKt, tdQrdQ);
+    wgmma_wait<0>(tdVrdV, tdKrdK, tKVrP, tKVrdS, tdQrdQ);
+    // This stage's Q, dO and statistics are no longer read. One lane arrives for the warp; the
+    // warp barrier orders the other lanes' reads of the statistics before that arrive.
+    __syncwarp();
+    if (lane == 0) Barrier::arrive(empty + stage);
+
+    if (it > 0) NamedBarrier::sync(T::kNConsumerThreads + 32, T::kBarDqEmpty);  // the last tiles have been read
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) {
+      float* row = dq_tile + (dq_row16 + g + 8 * hr) * kD;
+#pragma unroll
+      for (int nt = 0; nt < T::kDqN / 8; ++nt)
+        *reinterpret_cast<float2*>(row + ((dq_col0 + nt * 8 + 2 * t) ^ (g << 3))) =
+            make_float2(dq[nt][2 * hr], dq[nt][2 * hr + 1]);
+    }
+    fence_proxy_async_smem();
+    NamedBarrier::arrive(T::kNConsumerThreads + 32, T::kBarDqFull);
+  }
+
+  cuda::write_dk_dv_tile<Elem, kD>(p, b, h, uint32_t(bh), j0 + key16, 0, dk, dv, lane);
+#endif
+}
+
+}  // namespace flash::hopper
