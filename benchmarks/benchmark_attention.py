@@ -41,9 +41,17 @@ def make_fn(impl, b, s, h, d, dtype, causal):
     return fn, (q, k, v)
 
 
-def median_ms(fn, reps):
+def median_ms(fn, reps, budget_ms=300.0, max_reps=200):
+    """Median of at least reps CUDA-event timings of fn(), more for short fns (up to budget_ms of
+    timed work or max_reps): sub-millisecond steps vary by ~10% from run to run otherwise."""
     for _ in range(3):
         fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    torch.cuda.synchronize()
+    reps = max(reps, min(max_reps, int(budget_ms / max(start.elapsed_time(end), 1e-3))))
     times = []
     for _ in range(reps):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
