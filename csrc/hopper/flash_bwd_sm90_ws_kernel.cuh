@@ -69,8 +69,7 @@ __global__ void __launch_bounds__(T::kNThreads, 1) flash_bwd_sm90_ws_kernel(cons
 
   const int n_block = blockIdx.x, j0 = n_block * kN, h = blockIdx.y, b = blockIdx.z;
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
-  const int64_t stat_rows = cuda::padded_query_rows(p.seqlen_q);
-  const int64_t bh = int64_t(b) * p.h + h;
+  const BwdHeadPtrs<Elem> hp = bwd_head_ptrs<Elem, kD, kM>(p, b, h);
   if (tid == 0) {
     Barrier::init(kv_full, 1);
     for (int s = 0; s < kStages; ++s) {
@@ -104,24 +103,22 @@ __global__ void __launch_bounds__(T::kNThreads, 1) flash_bwd_sm90_ws_kernel(cons
       Barrier::arrive_and_expect_tx(kv_full, 2 * T::kKBytes);
       copy(args.tma_k.with(*kv_full), tKg, tKs);
       copy(args.tma_v.with(*kv_full), tVg, tVs);
-      const float* lse2 = p.softmax_lse_log2_ptr + bh * stat_rows;
-      const float* dsum = p.dsoftmax_sum_ptr + bh * stat_rows;
       for (int it = 0; it < tiles.count; ++it) {
         const int stage = it % kStages, mb = tiles[it];
         Barrier::wait(empty + stage, ((it / kStages) & 1) ^ 1);  // a fresh barrier passes parity 1 at once
         Barrier::arrive_and_expect_tx(full + stage, T::kStageBytes);
         copy(args.tma_q.with(full[stage]), tQg(_, mb), tQs(_, stage));
         copy(args.tma_do.with(full[stage]), tdOg(_, mb), tdOs(_, stage));
-        SM90_BULK_COPY_G2S::copy(lse2 + mb * kM, full + stage, sLse + stage * kM, kM * int(sizeof(float)));
-        SM90_BULK_COPY_G2S::copy(dsum + mb * kM, full + stage, sDsum + stage * kM, kM * int(sizeof(float)));
+        SM90_BULK_COPY_G2S::copy(hp.lse2 + mb * kM, full + stage, sLse + stage * kM, kM * int(sizeof(float)));
+        SM90_BULK_COPY_G2S::copy(hp.dsum + mb * kM, full + stage, sDsum + stage * kM, kM * int(sizeof(float)));
       }
     } else if (warp == 1) {  // dQ: each step's tile from shared memory into the accumulator
-      float* dq_accum = p.dq_accum_ptr + bh * stat_rows * kD;
       for (int it = 0; it < tiles.count; ++it) {
         NamedBarrier::sync(T::kNConsumerThreads + 32, T::kBarDqFull);
         if (lane == 0) {
           for (int q = 0; q < T::kDqTiles; ++q)
-            bulk_reduce_add_f32(dq_accum + int64_t(tiles[it]) * kM * kD, sdQ + q * kM * kD, kM * kD * int(sizeof(float)));
+            bulk_reduce_add_f32(hp.dq_accum + int64_t(tiles[it]) * kM * kD, sdQ + q * kM * kD,
+                                kM * kD * int(sizeof(float)));
           tma_store_arrive();
           tma_store_wait<0>();  // the tile has been read
         }
@@ -229,7 +226,7 @@ __global__ void __launch_bounds__(T::kNThreads, 1) flash_bwd_sm90_ws_kernel(cons
     NamedBarrier::arrive(T::kNConsumerThreads + 32, T::kBarDqFull);
   }
 
-  cuda::write_dk_dv_tile<Elem, kD>(p, b, h, uint32_t(bh), j0 + key16, 0, dk, dv, lane);
+  cuda::write_dk_dv_tile<Elem, kD>(p, b, h, hp.in.bh, j0 + key16, 0, dk, dv, lane);
 #endif
 }
 
