@@ -266,11 +266,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> mha_fwd(
   at::Tensor lse = at::empty({s.b, s.h, s.seqlen_q}, opts.dtype(at::kFloat));
   at::Tensor probs = return_softmax ? at::empty({s.b, s.h, s.seqlen_q, s.seqlen_k}, opts.dtype(at::kFloat))
                                     : at::empty({0}, opts);
-  at::Tensor rng_state = at::zeros({2}, opts.dtype(at::kLong));
-
 #ifdef FLASH_ATTN_WITH_CUDA
   if (q.is_cuda()) {
     c10::cuda::CUDAGuard guard(q.device());
+    const cudaStream_t stream = at::cuda::getCurrentCUDAStream().stream();
+    // Zeros, overwritten with the seed and offset by a kernel that draws dropout. A memset costs
+    // less host time than at::zeros' fill launch.
+    at::Tensor rng_state = at::empty({2}, opts.dtype(at::kLong));
+    C10_CUDA_CHECK(cudaMemsetAsync(rng_state.data_ptr(), 0, 2 * sizeof(int64_t), stream));
     const auto [d8, qc, kc, vc, cscale, dq_factor] = cuda_qkv(s, q, k, v, scale);
     at::Tensor out_k = d8 == s.d ? out : at::empty({s.b, s.seqlen_q, s.h, d8}, opts);
     FwdParams p;
@@ -280,12 +283,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> mha_fwd(
     p.p_ptr = return_softmax ? probs.data_ptr<float>() : nullptr;
     p.rng_state_ptr = rng_state.data_ptr<int64_t>();
     if (dropout_p > 0.0) set_cuda_philox(p);
-    cuda::run_fwd(p, at::cuda::getCurrentCUDAStream().stream());
+    cuda::run_fwd(p, stream);
     if (!out_k.is_same(out)) out.copy_(out_k.narrow(3, 0, s.d));
     return {out, lse, return_softmax ? probs.to(q.scalar_type()) : probs, rng_state};
   }
 #endif
 
+  at::Tensor rng_state = at::zeros({2}, opts.dtype(at::kLong));
   const at::Tensor qf = as_float(q), kf = as_float(k), vf = as_float(v);
   at::Tensor out_f = q.scalar_type() == at::kFloat ? out : at::empty(out.sizes(), opts.dtype(at::kFloat));
   FwdParams p;
@@ -434,7 +438,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> mha_bwd(
 }  // namespace flash
 
 TORCH_LIBRARY(flash_attn, m) {
-  // Fake (meta) kernels and autograd live in this Python module; torch imports it on demand.
+  // Fake (meta) kernels live in this Python module; torch imports it on demand. Autograd:
+  // flash_autograd.cpp.
   m.set_python_module("flash_attn.ops");
   m.def(
       "fwd(Tensor q, Tensor k, Tensor v, float dropout_p=0., float? softmax_scale=None, bool causal=False, "

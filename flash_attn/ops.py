@@ -1,4 +1,5 @@
-"""Fake (meta) kernels and autograd for the C++ ops in torch.ops.flash_attn.
+"""Fake (meta) kernels for the C++ ops in torch.ops.flash_attn (their autograd is in C++:
+csrc/flash_autograd.cpp).
 
 The C++ library names this module (set_python_module), so torch imports it whenever it needs a
 fake kernel, e.g. under torch.compile or FakeTensorMode.
@@ -30,28 +31,3 @@ def _bwd_fake(dout, q, k, v, out, softmax_lse, dropout_p=0.0, softmax_scale=None
               window_size_left=-1, window_size_right=-1, deterministic=False, rng_state=None, block_layout=None,
               q_block_lists=None, k_block_lists=None):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
-
-
-def _fwd_setup_context(ctx, inputs, output):
-    # torch passes every schema argument, defaults filled in.
-    q, k, v, dropout_p, softmax_scale, causal, window_left, window_right, _, deterministic, *block_mask = inputs
-    out, lse, _, rng_state = output
-    ctx.save_for_backward(q, k, v, out, lse, rng_state, *block_mask)
-    ctx.args = (dropout_p, softmax_scale, causal, window_left, window_right, deterministic)
-    ctx.mark_non_differentiable(lse, output[2], rng_state)
-    # The other outputs' gradients are never used: skip making zero tensors for them (one
-    # allocation and fill launch each per backward).
-    ctx.set_materialize_grads(False)
-
-
-def _fwd_backward(ctx, dout, *_unused_grads):
-    if dout is None:  # out does not reach the loss
-        return (None,) * 13
-    q, k, v, out, lse, rng_state, *block_mask = ctx.saved_tensors
-    dropout_p, softmax_scale, causal, window_left, window_right, deterministic = ctx.args
-    dq, dk, dv = bwd(dout.contiguous() if dout.stride(-1) != 1 else dout, q, k, v, out, lse, dropout_p,
-                     softmax_scale, causal, window_left, window_right, deterministic, rng_state, *block_mask)
-    return (dq, dk, dv) + (None,) * 10
-
-
-torch.library.register_autograd("flash_attn::fwd", _fwd_backward, setup_context=_fwd_setup_context)

@@ -5,7 +5,8 @@ import pytest
 import torch
 
 import flash_attn
-from flash_attn import flash_attn_func
+from flash_attn import BlockSparseMask, flash_attn_blocksparse_func, flash_attn_func
+from reference import attention_ref
 
 
 def qkv(dtype=torch.float32, sq=37, sk=53, h=4, hk=2, d=32, requires_grad=True):
@@ -81,6 +82,35 @@ def test_fake_tensor_shapes():
         out, lse, probs, rng = torch.ops.flash_attn.fwd(q, k, v, 0.0, None, False, -1, -1, True)
         assert out.shape == q.shape and lse.shape == (2, 4, 37) and probs.shape == (2, 4, 37, 53)
         assert rng.shape == (2,) and rng.dtype == torch.int64
+
+
+def test_autograd_node_is_cpp_and_takes_any_gradient_layout():
+    # The backward node is the C++ one (no Python runs between forward and backward), and it takes
+    # an upstream gradient whose last dim is not unit-stride (out.sum() gives stride 0).
+    q, k, v = qkv(sq=9, sk=9, hk=4)
+    out = flash_attn_func(q, k, v, causal=True)
+    assert "FlashAttnFunction" in out.grad_fn.name()
+    out.sum().backward()
+    grads = [t.grad for t in (q, k, v)]
+    for t in (q, k, v):
+        t.grad = None
+    attention_ref(q.double(), k.double(), v.double(), causal=True)[0].sum().backward()
+    for g, t in zip(grads, (q, k, v)):
+        torch.testing.assert_close(g, t.grad.float(), atol=1e-4, rtol=1e-4)
+
+
+def test_torch_compile_blocksparse_forward_backward():
+    torch._dynamo.reset()
+    q, k, v = qkv(sq=200, sk=200, hk=4)
+    mask = BlockSparseMask.from_layout(torch.tensor([[True, False], [True, True]]), 200, 200)
+    fn = torch.compile(lambda q, k, v: flash_attn_blocksparse_func(q, k, v, mask), fullgraph=True, backend="aot_eager")
+    fn(q, k, v).square().sum().backward()
+    grads = [t.grad for t in (q, k, v)]
+    for t in (q, k, v):
+        t.grad = None
+    flash_attn_blocksparse_func(q, k, v, mask).square().sum().backward()
+    for g, t in zip(grads, (q, k, v)):
+        torch.testing.assert_close(g, t.grad, atol=1e-5, rtol=1e-5)
 
 
 def test_version():

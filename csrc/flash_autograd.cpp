@@ -1,0 +1,97 @@
+// Autograd for flash_attn::fwd, in C++: the backward node calls flash_attn::bwd directly, so a
+// training step runs no Python between the forward and the backward kernels (a Python autograd
+// function costs ~0.3 ms of host time per step: the engine's device thread must take the GIL).
+// Registered for the Autograd key, below which the CPU, CUDA and fake (torch.compile) kernels run.
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/autograd.h>
+#include <torch/library.h>
+
+#include <optional>
+#include <tuple>
+
+namespace flash {
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+using OptTensor = std::optional<at::Tensor>;
+
+using FwdResult = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
+using FwdSig = FwdResult(const at::Tensor&, const at::Tensor&, const at::Tensor&, double, std::optional<double>, bool,
+                         int64_t, int64_t, bool, bool, const OptTensor&, const OptTensor&, const OptTensor&);
+using BwdSig = std::tuple<at::Tensor, at::Tensor, at::Tensor>(
+    const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+    double, std::optional<double>, bool, int64_t, int64_t, bool, const OptTensor&, const OptTensor&, const OptTensor&,
+    const OptTensor&);
+
+template <typename Sig>
+c10::TypedOperatorHandle<Sig> op_handle(const char* name) {
+  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Sig>();
+}
+
+OptTensor optional_of(const at::Tensor& t) { return t.defined() ? OptTensor(t) : std::nullopt; }
+
+class FlashAttnFunction : public torch::autograd::Function<FlashAttnFunction> {
+ public:
+  static variable_list forward(AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                               double dropout_p, std::optional<double> softmax_scale, bool causal,
+                               int64_t window_left, int64_t window_right, bool return_softmax, bool deterministic,
+                               const OptTensor& block_layout, const OptTensor& q_block_lists,
+                               const OptTensor& k_block_lists) {
+    static const auto fwd = op_handle<FwdSig>("flash_attn::fwd");
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    auto [out, lse, probs, rng_state] = fwd.call(q, k, v, dropout_p, softmax_scale, causal, window_left, window_right,
+                                                 return_softmax, deterministic, block_layout, q_block_lists,
+                                                 k_block_lists);
+    // Absent block-mask tensors are saved as undefined tensors and come back as nullopt.
+    ctx->save_for_backward({q, k, v, out, lse, rng_state, block_layout.value_or(at::Tensor()),
+                            q_block_lists.value_or(at::Tensor()), k_block_lists.value_or(at::Tensor())});
+    ctx->saved_data["dropout_p"] = dropout_p;
+    ctx->saved_data["softmax_scale"] = softmax_scale;
+    ctx->saved_data["causal"] = causal;
+    ctx->saved_data["window_left"] = window_left;
+    ctx->saved_data["window_right"] = window_right;
+    ctx->saved_data["deterministic"] = deterministic;
+    ctx->mark_non_differentiable({lse, probs, rng_state});
+    // Only out has a gradient: skip allocating and zero-filling the others'.
+    ctx->set_materialize_grads(false);
+    return {out, lse, probs, rng_state};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    constexpr int kNumInputs = 13;  // one gradient slot per forward argument
+    variable_list result(kNumInputs);
+    const at::Tensor& dout = grads[0];
+    if (!dout.defined()) return result;  // out does not reach the loss
+    static const auto bwd = op_handle<BwdSig>("flash_attn::bwd");
+    const variable_list saved = ctx->get_saved_variables();
+    const auto& d = ctx->saved_data;
+    const std::optional<double> softmax_scale =
+        d.at("softmax_scale").isNone() ? std::nullopt : std::optional<double>(d.at("softmax_scale").toDouble());
+    // The op wants a unit-stride last dim (a broadcast gradient can have stride 0 there).
+    const at::Tensor dout_c = dout.sym_stride(-1) == 1 ? dout : dout.contiguous();
+    auto [dq, dk, dv] = bwd.call(dout_c, saved[0], saved[1], saved[2], saved[3], saved[4], d.at("dropout_p").toDouble(),
+                                 softmax_scale, d.at("causal").toBool(), d.at("window_left").toInt(),
+                                 d.at("window_right").toInt(), d.at("deterministic").toBool(), saved[5],
+                                 optional_of(saved[6]), optional_of(saved[7]), optional_of(saved[8]));
+    result[0] = dq;
+    result[1] = dk;
+    result[2] = dv;
+    return result;
+  }
+};
+
+FwdResult fwd_autograd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double dropout_p,
+                       std::optional<double> softmax_scale, bool causal, int64_t window_left, int64_t window_right,
+                       bool return_softmax, bool deterministic, const OptTensor& block_layout,
+                       const OptTensor& q_block_lists, const OptTensor& k_block_lists) {
+  const variable_list r =
+      FlashAttnFunction::apply(q, k, v, dropout_p, softmax_scale, causal, window_left, window_right, return_softmax,
+                               deterministic, block_layout, q_block_lists, k_block_lists);
+  return {r[0], r[1], r[2], r[3]};
+}
+
+}  // namespace
+}  // namespace flash
+
+TORCH_LIBRARY_IMPL(flash_attn, Autograd, m) { m.impl("fwd", &flash::fwd_autograd); }
