@@ -10,7 +10,6 @@ import torch
 from . import _library  # noqa: F401  (registers the ops)
 
 fwd = torch.ops.flash_attn.fwd.default
-bwd = torch.ops.flash_attn.bwd.default
 
 
 @torch.library.register_fake("flash_attn::fwd")
