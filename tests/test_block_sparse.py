@@ -10,7 +10,7 @@ from flash_attn import BlockSparseMask, flash_attn_blocksparse_func, flash_attn_
 from flash_attn import flash_attn_func
 from flash_attn.block_sparse import BLOCK_SIZE, butterfly_layout, local_layout, random_layout
 from flash_attn.modules import BlockSparseMultiheadAttention
-from reference import attention_ref, check_grads_against_reference, visible_mask
+from reference import attention_ref, check_grads_against_reference, poison_allocator, visible_mask
 
 CUDA = pytest.param("cuda", marks=pytest.mark.gpu)
 DEVICES = ["cpu", CUDA]
@@ -44,6 +44,8 @@ def check(q, k, v, mask, causal=False, dropout_p=0.0, deterministic=False, windo
                                                     return_attn_probs=True)
     keep = None if dropout_p == 0 else ~torch.signbit(s_dmask)
     dout = torch.randn_like(out)
+    if q.is_cuda:
+        poison_allocator()
     grads = torch.autograd.grad(out, (q, k, v), dout)
     dense = mask.dense().to(q.device)
     ref_probs = check_grads_against_reference(q, k, v, out, dout, grads, q.dtype, causal=causal,
