@@ -5,6 +5,7 @@
 #include <torch/library.h>
 
 #include <cmath>
+#include <cstdlib>
 #include <limits>
 #include <mutex>
 #include <optional>
@@ -13,16 +14,26 @@
 #include "block_mask.h"
 #include "cpu/flash_cpu.h"
 #include "flash_params.h"
+#include "varlen_checks.h"
 
 #ifdef FLASH_ATTN_WITH_CUDA
 #include <ATen/cuda/CUDAContext.h>
 #include <ATen/cuda/CUDAGeneratorImpl.h>
+#include <c10/cuda/CUDAGraphsC10Utils.h>
 #include <c10/cuda/CUDAGuard.h>
 
 #include "cuda/flash_launch.h"
 #endif
 
 namespace flash {
+
+namespace {
+thread_local bool offsets_checked = false;
+}  // namespace
+VarlenOffsetsChecked::VarlenOffsetsChecked() : previous_(offsets_checked) { offsets_checked = true; }
+VarlenOffsetsChecked::~VarlenOffsetsChecked() { offsets_checked = previous_; }
+bool VarlenOffsetsChecked::active() { return offsets_checked; }
+
 namespace {
 
 constexpr int64_t kMaxHeadDim = 256;
@@ -92,6 +103,94 @@ void check_scalars(double dropout_p, double scale, int64_t window_left, int64_t 
               "flash_attn: window sizes must be -1 (unbounded) or >= 0, got (", window_left, ", ", window_right, ")");
 }
 
+// Variable-length batches: cu_seqlens_q / cu_seqlens_k given, or neither.
+struct Varlen {
+  const std::optional<at::Tensor>& cu_q;
+  const std::optional<at::Tensor>& cu_k;
+  int64_t max_q, max_k;
+  bool present() const { return cu_q.has_value() && cu_q->defined(); }
+  int batch() const { return int(cu_q->numel()) - 1; }
+};
+
+void check_cu_seqlens_tensor(const std::optional<at::Tensor>& cu, const char* name, const at::Tensor& q) {
+  TORCH_CHECK(cu.has_value() && cu->defined(), "flash_attn: cu_seqlens_q and cu_seqlens_k must be given together, got ",
+              name, " = None");
+  TORCH_CHECK(cu->scalar_type() == at::kInt, "flash_attn: ", name, " must be int32, got ", cu->scalar_type());
+  TORCH_CHECK(cu->dim() == 1 && cu->numel() >= 1, "flash_attn: ", name,
+              " must be a 1-D tensor of batch + 1 offsets, got shape ", cu->sizes());
+  TORCH_CHECK(cu->is_contiguous(), "flash_attn: ", name, " must be contiguous");
+  TORCH_CHECK(cu->device() == q.device(), "flash_attn: ", name, " must be on the device of q (", q.device(), "), got ",
+              cu->device());
+}
+
+// The offsets themselves: 0 first, non-decreasing, ending at the packed tensor's rows, no
+// sequence longer than max_seqlen. Reading them costs a device-to-host copy, skipped while a CUDA
+// graph is being captured (a copy cannot be captured), when FLASH_ATTN_SKIP_VARLEN_CHECKS=1, and in
+// the backward of an autograd graph whose forward checked them (VarlenOffsetsChecked).
+void check_cu_seqlens_values(const at::Tensor& cu, const char* name, int64_t total, const char* total_what,
+                             int64_t max_seqlen, const char* max_name) {
+  if (VarlenOffsetsChecked::active()) return;
+#ifdef FLASH_ATTN_WITH_CUDA
+  if (cu.is_cuda() && c10::cuda::currentStreamCaptureStatusMayInitCtx() != c10::cuda::CaptureStatus::None) return;
+#endif
+  static const bool skip = [] {
+    const char* e = std::getenv("FLASH_ATTN_SKIP_VARLEN_CHECKS");
+    return e != nullptr && e[0] == '1';
+  }();
+  if (skip) return;
+  const at::Tensor host = cu.to(at::kCPU);
+  const int32_t* c = host.data_ptr<int32_t>();
+  const int64_t n = host.numel();
+  TORCH_CHECK(c[0] == 0, "flash_attn: ", name, "[0] must be 0, got ", c[0]);
+  for (int64_t i = 0; i + 1 < n; ++i) {
+    TORCH_CHECK(c[i + 1] >= c[i], "flash_attn: ", name, " must be non-decreasing, got ", name, "[", i, "] = ", c[i],
+                " > ", name, "[", i + 1, "] = ", c[i + 1]);
+    TORCH_CHECK(c[i + 1] - c[i] <= max_seqlen, "flash_attn: ", max_name, " = ", max_seqlen,
+                " is smaller than sequence ", i, "'s length ", c[i + 1] - c[i], " (from ", name, ")");
+  }
+  TORCH_CHECK(c[n - 1] == total, "flash_attn: ", name, "[-1] must equal ", total_what, " (", total, "), got ", c[n - 1]);
+}
+
+// Checks a varlen call's arguments (q: (total_q, nheads, headdim), k and v: (total_k, nheads_k,
+// headdim)) and returns q, k, v as one packed batch entry (1, total, heads, headdim), which the
+// rest of the op layer handles like a padded batch.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> check_varlen(const Varlen& vl, const at::Tensor& q, const at::Tensor& k,
+                                                            const at::Tensor& v) {
+  if (!vl.present()) {
+    TORCH_CHECK(!(vl.cu_k.has_value() && vl.cu_k->defined()),
+                "flash_attn: cu_seqlens_q and cu_seqlens_k must be given together, got cu_seqlens_q = None");
+    return {q, k, v};
+  }
+  const auto check_rank3 = [](const at::Tensor& t, const char* name) {
+    TORCH_CHECK(t.defined(), "flash_attn: ", name, " must be a tensor, got None");
+    TORCH_CHECK(t.dim() == 3, "flash_attn: with cu_seqlens, ", name,
+                " must have shape (total, nheads, headdim), got a tensor of rank ", t.dim(), " with shape ", t.sizes());
+  };
+  check_rank3(q, "q");
+  check_rank3(k, "k");
+  check_rank3(v, "v");
+  check_cu_seqlens_tensor(vl.cu_q, "cu_seqlens_q", q);
+  check_cu_seqlens_tensor(vl.cu_k, "cu_seqlens_k", q);
+  TORCH_CHECK(vl.cu_q->numel() == vl.cu_k->numel(), "flash_attn: cu_seqlens_q and cu_seqlens_k must have the same "
+              "length (batch + 1), got ", vl.cu_q->numel(), " and ", vl.cu_k->numel());
+  TORCH_CHECK(vl.max_q >= 0 && vl.max_k >= 0, "flash_attn: max_seqlen_q and max_seqlen_k must be >= 0, got ",
+              vl.max_q, " and ", vl.max_k);
+  checked_int(vl.max_q, "max_seqlen_q");
+  checked_int(vl.max_k, "max_seqlen_k");
+  check_cu_seqlens_values(*vl.cu_q, "cu_seqlens_q", q.size(0), "q.size(0)", vl.max_q, "max_seqlen_q");
+  check_cu_seqlens_values(*vl.cu_k, "cu_seqlens_k", k.size(0), "k.size(0)", vl.max_k, "max_seqlen_k");
+  return {q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)};
+}
+
+// Shapes of a varlen call from its packed (1, total, heads, headdim) operands: batch = the number
+// of sequences, seqlens = the longest.
+Shapes varlen_shapes(Shapes s, const Varlen& vl) {
+  s.b = vl.batch();
+  s.seqlen_q = int(vl.max_q);
+  s.seqlen_k = int(vl.max_k);
+  return s;
+}
+
 void set_strides(const at::Tensor& t, int64_t& batch, int64_t& row, int64_t& head) {
   batch = t.stride(0);
   row = t.stride(1);
@@ -127,6 +226,40 @@ void set_fwd_params(FwdParams& p, const Shapes& s, const at::Tensor& q, const at
   p.rp_dropout = float(1.0 / (1.0 - dropout_p));
   p.dropout_threshold16 = uint32_t(std::llround(dropout_p * 65536.0));
   p.dtype = to_dtype(q.scalar_type());
+  p.total_q = s.seqlen_q;
+  p.total_k = s.seqlen_k;
+  p.lse_head_stride = s.seqlen_q;
+  p.lse_batch_stride = int64_t(s.h) * s.seqlen_q;
+  p.p_row_stride = s.seqlen_k;
+  p.p_head_stride = int64_t(s.seqlen_q) * s.seqlen_k;
+  p.p_batch_stride = int64_t(s.h) * p.p_head_stride;
+}
+
+// A varlen call: the offsets, the packed row counts, batch strides 0 (the sequences share batch
+// entry 0 and are told apart by their first rows) and softmax_lse as (h, total_q). total_q and
+// total_k: the packed operands' rows.
+void set_varlen_params(FwdParams& p, const Varlen& vl, int64_t total_q, int64_t total_k) {
+  if (!vl.present()) return;
+  p.cu_seqlens_q = vl.cu_q->data_ptr<int32_t>();
+  p.cu_seqlens_k = vl.cu_k->data_ptr<int32_t>();
+  p.total_q = int(total_q);
+  p.total_k = int(total_k);
+  p.q_batch_stride = p.k_batch_stride = p.v_batch_stride = p.o_batch_stride = 0;
+  p.lse_batch_stride = 0;
+  p.lse_head_stride = total_q;
+}
+
+// The backward's extra layouts: the GQA dK/dV scratch rows (batch, h, seqlen_k) and, with varlen,
+// (h, total_k); with varlen also batch strides 0 for dO, dQ, dK, dV and the per-row buffers (the
+// caller sets their padded-batch strides). packed: the packed operands' shapes.
+void set_bwd_varlen_params(BwdParams& p, const Varlen& vl, const Shapes& packed) {
+  p.kv_accum_head_stride = packed.seqlen_k;
+  p.kv_accum_batch_stride = int64_t(p.h) * packed.seqlen_k;
+  if (!vl.present()) return;
+  set_varlen_params(p, vl, packed.seqlen_q, packed.seqlen_k);
+  p.do_batch_stride = p.dq_batch_stride = p.dk_batch_stride = p.dv_batch_stride = 0;
+  p.kv_accum_batch_stride = 0;
+  p.stat_batch_stride = 0;
 }
 
 // The block-sparse mask's three tensors (flash_attn.block_sparse.BlockSparseMask builds them):
@@ -183,9 +316,33 @@ void set_block_mask(FwdParams& p, const BlockMask& m) {
   p.mask_k_blocks = int(m.layout->size(3));
 }
 
-at::Tensor as_float(const at::Tensor& t) { return t.scalar_type() == at::kFloat ? t : t.to(at::kFloat); }
+// What the forward and backward check alike: operands (varlen ones as one packed batch entry),
+// shapes, scalars and the block mask.
+struct Call {
+  at::Tensor q, k, v;  // varlen: (1, total, heads, headdim)
+  Shapes packed;       // shapes of q, k, v as above
+  Shapes s;            // the call's: varlen batch = sequences, seqlens = the longest
+  double scale;
+};
 
 double default_scale(std::optional<double> scale, int d) { return scale.value_or(1.0 / std::sqrt(double(d))); }
+
+Call check_call(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in, const Varlen& vl,
+                const BlockMask& mask, double dropout_p, std::optional<double> softmax_scale, int64_t window_left,
+                int64_t window_right) {
+  Call c;
+  std::tie(c.q, c.k, c.v) = check_varlen(vl, q_in, k_in, v_in);
+  c.packed = check_qkv(c.q, c.k, c.v);
+  c.s = vl.present() ? varlen_shapes(c.packed, vl) : c.packed;
+  c.scale = default_scale(softmax_scale, c.s.d);
+  check_scalars(dropout_p, c.scale, window_left, window_right);
+  TORCH_CHECK(!(vl.present() && mask.present()), "flash_attn: a block mask (block_layout) cannot be combined with "
+              "cu_seqlens (variable-length batches)");
+  check_block_mask(c.s, c.q, mask);
+  return c;
+}
+
+at::Tensor as_float(const at::Tensor& t) { return t.scalar_type() == at::kFloat ? t : t.to(at::kFloat); }
 
 // Seed for one dropout call on the CPU, drawn from the default CPU generator (torch.manual_seed).
 uint64_t draw_cpu_seed() {
@@ -250,22 +407,29 @@ void set_cuda_philox(FwdParams& p) {
 #endif
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> mha_fwd(
-    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double dropout_p,
+    const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in, double dropout_p,
     std::optional<double> softmax_scale, bool causal, int64_t window_size_left, int64_t window_size_right,
     bool return_softmax, bool deterministic, const std::optional<at::Tensor>& block_layout,
-    const std::optional<at::Tensor>& q_block_lists, const std::optional<at::Tensor>& k_block_lists) {
-  const Shapes s = check_qkv(q, k, v);
-  const double scale = default_scale(softmax_scale, s.d);
-  check_scalars(dropout_p, scale, window_size_left, window_size_right);
+    const std::optional<at::Tensor>& q_block_lists, const std::optional<at::Tensor>& k_block_lists,
+    const std::optional<at::Tensor>& cu_seqlens_q, const std::optional<at::Tensor>& cu_seqlens_k, int64_t max_seqlen_q,
+    int64_t max_seqlen_k) {
+  const Varlen vl{cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k};
   const BlockMask mask{block_layout, q_block_lists, k_block_lists};
-  check_block_mask(s, q, mask);
+  const Call c = check_call(q_in, k_in, v_in, vl, mask, dropout_p, softmax_scale, window_size_left, window_size_right);
+  const at::Tensor &q = c.q, &k = c.k, &v = c.v;
+  const Shapes &packed = c.packed, &s = c.s;
+  const double scale = c.scale;
   (void)deterministic;  // the forward is deterministic; the flag rides along for the backward
 
   const auto opts = q.options();
-  at::Tensor out = at::empty({s.b, s.seqlen_q, s.h, s.d}, opts);
-  at::Tensor lse = at::empty({s.b, s.h, s.seqlen_q}, opts.dtype(at::kFloat));
-  at::Tensor probs = return_softmax ? at::empty({s.b, s.h, s.seqlen_q, s.seqlen_k}, opts.dtype(at::kFloat))
-                                    : at::empty({0}, opts);
+  at::Tensor out = at::empty(q.sizes(), opts);
+  at::Tensor lse = vl.present() ? at::empty({s.h, packed.seqlen_q}, opts.dtype(at::kFloat))
+                                : at::empty({s.b, s.h, s.seqlen_q}, opts.dtype(at::kFloat));
+  // Varlen: zeros past each sequence's own rows and keys.
+  at::Tensor probs = !return_softmax ? at::empty({0}, opts)
+                     : vl.present()  ? at::zeros({s.b, s.h, s.seqlen_q, s.seqlen_k}, opts.dtype(at::kFloat))
+                                     : at::empty({s.b, s.h, s.seqlen_q, s.seqlen_k}, opts.dtype(at::kFloat));
+  const auto unpack = [&](const at::Tensor& t) { return vl.present() ? t.squeeze(0) : t; };
 #ifdef FLASH_ATTN_WITH_CUDA
   if (q.is_cuda()) {
     c10::cuda::CUDAGuard guard(q.device());
@@ -275,9 +439,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> mha_fwd(
     at::Tensor rng_state = at::empty({2}, opts.dtype(at::kLong));
     C10_CUDA_CHECK(cudaMemsetAsync(rng_state.data_ptr(), 0, 2 * sizeof(int64_t), stream));
     const auto [d8, qc, kc, vc, cscale, dq_factor] = cuda_qkv(s, q, k, v, scale);
-    at::Tensor out_k = d8 == s.d ? out : at::empty({s.b, s.seqlen_q, s.h, d8}, opts);
+    at::Tensor out_k = d8 == s.d ? out : at::empty({q.size(0), q.size(1), s.h, d8}, opts);
     FwdParams p;
     set_fwd_params(p, s, qc, kc, vc, out_k, lse, dropout_p, cscale, causal, window_size_left, window_size_right);
+    set_varlen_params(p, vl, packed.seqlen_q, packed.seqlen_k);
     p.d = int(d8);
     set_block_mask(p, mask);
     p.p_ptr = return_softmax ? probs.data_ptr<float>() : nullptr;
@@ -285,7 +450,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> mha_fwd(
     if (dropout_p > 0.0) set_cuda_philox(p);
     cuda::run_fwd(p, stream);
     if (!out_k.is_same(out)) out.copy_(out_k.narrow(3, 0, s.d));
-    return {out, lse, return_softmax ? probs.to(q.scalar_type()) : probs, rng_state};
+    return {unpack(out), lse, return_softmax ? probs.to(q.scalar_type()) : probs, rng_state};
   }
 #endif
 
@@ -294,6 +459,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> mha_fwd(
   at::Tensor out_f = q.scalar_type() == at::kFloat ? out : at::empty(out.sizes(), opts.dtype(at::kFloat));
   FwdParams p;
   set_fwd_params(p, s, qf, kf, vf, out_f, lse, dropout_p, scale, causal, window_size_left, window_size_right);
+  set_varlen_params(p, vl, packed.seqlen_q, packed.seqlen_k);
   set_block_mask(p, mask);
   p.p_ptr = return_softmax ? probs.data_ptr<float>() : nullptr;
   if (dropout_p > 0.0) {
@@ -303,21 +469,30 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> mha_fwd(
   }
   cpu::run_fwd(p);
   if (!out_f.is_same(out)) out.copy_(out_f);
-  return {out, lse, return_softmax ? probs.to(q.scalar_type()) : probs, rng_state};
+  return {unpack(out), lse, return_softmax ? probs.to(q.scalar_type()) : probs, rng_state};
 }
 
+// q, dout, out: as the caller passed them (varlen: 3-D); s: the call's shapes.
 void check_bwd_inputs(const Shapes& s, const at::Tensor& q, const at::Tensor& dout, const at::Tensor& out,
-                      const at::Tensor& lse, double dropout_p, const std::optional<at::Tensor>& rng_state) {
-  check_operand(dout, "dout", q);
-  check_operand(out, "out", q);
-  TORCH_CHECK(dout.sizes() == q.sizes(), "flash_attn: dout must have the shape of q ", q.sizes(), ", got ", dout.sizes());
-  TORCH_CHECK(out.sizes() == q.sizes(), "flash_attn: out must have the shape of q ", q.sizes(), ", got ", out.sizes());
+                      const at::Tensor& lse, double dropout_p, const std::optional<at::Tensor>& rng_state, bool varlen) {
+  TORCH_CHECK(dout.defined() && dout.sizes() == q.sizes(), "flash_attn: dout must have the shape of q ", q.sizes(),
+              ", got ", dout.defined() ? dout.sizes() : at::IntArrayRef{});
+  TORCH_CHECK(out.defined() && out.sizes() == q.sizes(), "flash_attn: out must have the shape of q ", q.sizes(),
+              ", got ", out.defined() ? out.sizes() : at::IntArrayRef{});
+  check_operand(varlen ? dout.unsqueeze(0) : dout, "dout", varlen ? q.unsqueeze(0) : q);
+  check_operand(varlen ? out.unsqueeze(0) : out, "out", varlen ? q.unsqueeze(0) : q);
   TORCH_CHECK(lse.scalar_type() == at::kFloat, "flash_attn: softmax_lse must be float32, got ", lse.scalar_type());
   TORCH_CHECK(lse.device() == q.device(), "flash_attn: softmax_lse must be on the device of q (", q.device(), "), got ",
               lse.device());
-  TORCH_CHECK(lse.dim() == 3 && lse.size(0) == s.b && lse.size(1) == s.h && lse.size(2) == s.seqlen_q,
-              "flash_attn: softmax_lse must have shape (batch, nheads, seqlen_q) = (", s.b, ", ", s.h, ", ",
-              s.seqlen_q, "), got ", lse.sizes());
+  if (varlen) {
+    TORCH_CHECK(lse.dim() == 2 && lse.size(0) == s.h && lse.size(1) == q.size(0),
+                "flash_attn: with cu_seqlens, softmax_lse must have shape (nheads, total_q) = (", s.h, ", ", q.size(0),
+                "), got ", lse.sizes());
+  } else {
+    TORCH_CHECK(lse.dim() == 3 && lse.size(0) == s.b && lse.size(1) == s.h && lse.size(2) == s.seqlen_q,
+                "flash_attn: softmax_lse must have shape (batch, nheads, seqlen_q) = (", s.b, ", ", s.h, ", ",
+                s.seqlen_q, "), got ", lse.sizes());
+  }
   if (dropout_p > 0.0) {
     TORCH_CHECK(rng_state.has_value() && rng_state->defined(), "flash_attn: rng_state is required when dropout_p > 0");
     TORCH_CHECK(rng_state->scalar_type() == at::kLong && rng_state->numel() == 2,
@@ -327,24 +502,30 @@ void check_bwd_inputs(const Shapes& s, const at::Tensor& q, const at::Tensor& do
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> mha_bwd(
-    const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
-    const at::Tensor& softmax_lse, double dropout_p, std::optional<double> softmax_scale, bool causal,
-    int64_t window_size_left, int64_t window_size_right, bool deterministic,
+    const at::Tensor& dout_in, const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
+    const at::Tensor& out_in, const at::Tensor& softmax_lse, double dropout_p, std::optional<double> softmax_scale,
+    bool causal, int64_t window_size_left, int64_t window_size_right, bool deterministic,
     const std::optional<at::Tensor>& rng_state, const std::optional<at::Tensor>& block_layout,
-    const std::optional<at::Tensor>& q_block_lists, const std::optional<at::Tensor>& k_block_lists) {
-  const Shapes s = check_qkv(q, k, v);
-  const double scale = default_scale(softmax_scale, s.d);
-  check_scalars(dropout_p, scale, window_size_left, window_size_right);
-  check_bwd_inputs(s, q, dout, out, softmax_lse, dropout_p, rng_state);
+    const std::optional<at::Tensor>& q_block_lists, const std::optional<at::Tensor>& k_block_lists,
+    const std::optional<at::Tensor>& cu_seqlens_q, const std::optional<at::Tensor>& cu_seqlens_k, int64_t max_seqlen_q,
+    int64_t max_seqlen_k) {
+  const Varlen vl{cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k};
   const BlockMask mask{block_layout, q_block_lists, k_block_lists};
-  check_block_mask(s, q, mask);
+  const Call c = check_call(q_in, k_in, v_in, vl, mask, dropout_p, softmax_scale, window_size_left, window_size_right);
+  const at::Tensor &q = c.q, &k = c.k, &v = c.v;
+  const Shapes &packed = c.packed, &s = c.s;
+  const double scale = c.scale;
+  check_bwd_inputs(s, q_in, dout_in, out_in, softmax_lse, dropout_p, rng_state, vl.present());
+  const at::Tensor dout = vl.present() ? dout_in.unsqueeze(0) : dout_in;
+  const at::Tensor out = vl.present() ? out_in.unsqueeze(0) : out_in;
+  const auto unpack = [&](const at::Tensor& t) { return vl.present() ? t.squeeze(0) : t; };
 
   const at::Tensor lse = softmax_lse.contiguous();
   const auto f32 = q.options().dtype(at::kFloat);
-  // Sum per-query-head float32 dK/dV (batch, h, seqlen_k, d_acc) over each GQA group and return
-  // (batch, seqlen_k, h_k, d) in the input dtype.
+  // Sum per-query-head float32 dK/dV (entries, h, rows, d_acc) over each GQA group and return
+  // (entries, rows, h_k, d) in the input dtype: entries x rows is batch x seqlen_k, or 1 x total_k.
   auto group_sum = [&](const at::Tensor& acc) {
-    return acc.view({s.b, s.h_k, s.h / s.h_k, s.seqlen_k, acc.size(3)})
+    return acc.view({acc.size(0), s.h_k, s.h / s.h_k, acc.size(2), acc.size(3)})
         .sum(2)
         .narrow(3, 0, s.d)
         .permute({0, 2, 1, 3})
@@ -359,18 +540,21 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> mha_bwd(
     c10::cuda::CUDAGuard guard(q.device());
     const auto [d8, qc, kc, vc, cscale, dq_factor] = cuda_qkv(s, q, k, v, scale);
     const at::Tensor oc = cuda_operand(out, d8), doc = cuda_operand(dout, d8);
-    at::Tensor dq = at::empty({s.b, s.seqlen_q, s.h, d8}, q.options());
+    at::Tensor dq = at::empty({q.size(0), q.size(1), s.h, d8}, q.options());
     // Without GQA the kernel writes dK/dV in the input dtype; with GQA per-query-head float32
     // partials that are summed here. A CTA with no visible query still writes zeros.
     const bool gqa = s.h != s.h_k;
     const auto kv_alloc = [&](at::TensorOptions o, std::initializer_list<int64_t> shape) {
       return s.seqlen_q == 0 ? at::zeros(shape, o) : at::empty(shape, o);
     };
-    at::Tensor dk = gqa ? kv_alloc(f32, {s.b, s.h, s.seqlen_k, d8}) : kv_alloc(q.options(), {s.b, s.seqlen_k, s.h_k, d8});
-    at::Tensor dv = gqa ? kv_alloc(f32, {s.b, s.h, s.seqlen_k, d8}) : kv_alloc(q.options(), {s.b, s.seqlen_k, s.h_k, d8});
-    // D and the base-2 logsumexp per row (rows padded; the pre-pass writes every row).
-    const int64_t stat_rows = cuda::padded_query_rows(s.seqlen_q);
-    at::Tensor dsum = at::empty({s.b, s.h, stat_rows}, f32), lse_log2 = at::empty({s.b, s.h, stat_rows}, f32);
+    const int64_t entries = k.size(0), rows_k = k.size(1);  // varlen: 1, total_k
+    at::Tensor dk = gqa ? kv_alloc(f32, {entries, s.h, rows_k, d8}) : kv_alloc(q.options(), {entries, rows_k, s.h_k, d8});
+    at::Tensor dv = gqa ? kv_alloc(f32, {entries, s.h, rows_k, d8}) : kv_alloc(q.options(), {entries, rows_k, s.h_k, d8});
+    // D and the base-2 logsumexp per row (rows padded; the pre-pass writes every row a kernel reads).
+    const int64_t stat_entries = vl.present() ? 1 : s.b;
+    const int64_t stat_rows = vl.present() ? varlen_stat_rows(packed.seqlen_q, s.b) : cuda::padded_query_rows(s.seqlen_q);
+    at::Tensor dsum = at::empty({stat_entries, s.h, stat_rows}, f32);
+    at::Tensor lse_log2 = at::empty({stat_entries, s.h, stat_rows}, f32);
     at::Tensor rng = dropout_p > 0.0 ? rng_state->to(q.device()) : at::Tensor();
     BwdParams p;
     set_fwd_params(p, s, qc, kc, vc, oc, lse, dropout_p, cscale, causal, window_size_left, window_size_right);
@@ -391,18 +575,21 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> mha_bwd(
     }
     p.dsoftmax_sum_ptr = dsum.data_ptr<float>();
     p.softmax_lse_log2_ptr = lse_log2.data_ptr<float>();
+    p.stat_head_stride = stat_rows;
+    p.stat_batch_stride = int64_t(s.h) * stat_rows;
+    set_bwd_varlen_params(p, vl, packed);
     at::Tensor dq_accum;
     if (!deterministic) {
       const cuda::DqAccumShape acc = cuda::dq_accum_shape(s.seqlen_q, d8);
-      dq_accum = at::empty({s.b, s.h, acc.rows, acc.row_stride}, f32);  // the D pre-pass zeroes it
+      dq_accum = at::empty({stat_entries, s.h, stat_rows, acc.row_stride}, f32);  // the D pre-pass zeroes it
       p.dq_accum_ptr = dq_accum.data_ptr<float>();
     }
     p.rng_state_ptr = dropout_p > 0.0 ? rng.data_ptr<int64_t>() : nullptr;
     if (s.seqlen_k == 0) dq.zero_();
     cuda::run_bwd(p, at::cuda::getCurrentCUDAStream().stream());
-    const auto trim = [&](const at::Tensor& x) { return d8 == s.d ? x : x.narrow(3, 0, s.d).contiguous(); };
+    const auto trim = [&](const at::Tensor& x) { return unpack(d8 == s.d ? x : x.narrow(3, 0, s.d).contiguous()); };
     if (dq_factor != 1.0) dq.mul_(dq_factor);
-    return {trim(dq), gqa ? group_sum(dk) : trim(dk), gqa ? group_sum(dv) : trim(dv)};
+    return {trim(dq), gqa ? unpack(group_sum(dk)) : trim(dk), gqa ? unpack(group_sum(dv)) : trim(dv)};
   }
 #endif
 
@@ -412,12 +599,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> mha_bwd(
     seed = uint64_t(st.data_ptr<int64_t>()[0]);
     offset = uint64_t(st.data_ptr<int64_t>()[1]);
   }
-  at::Tensor dk_accum = at::empty({s.b, s.h, s.seqlen_k, s.d}, f32);
-  at::Tensor dv_accum = at::empty({s.b, s.h, s.seqlen_k, s.d}, f32);
+  // Varlen: one entry of total rows, like the packed operands.
+  at::Tensor dk_accum = at::empty({k.size(0), s.h, k.size(1), s.d}, f32);
+  at::Tensor dv_accum = at::empty({k.size(0), s.h, k.size(1), s.d}, f32);
 
   const at::Tensor qf = as_float(q), kf = as_float(k), vf = as_float(v), of = as_float(out), dof = as_float(dout);
   const int splits = cpu::bwd_num_splits(s.b, s.h, s.seqlen_k);
-  at::Tensor dq_accum = at::empty({s.b, s.h, splits, s.seqlen_q, s.d}, f32);
+  at::Tensor dq_accum = at::empty({q.size(0), s.h, splits, q.size(1), s.d}, f32);
   BwdParams p;
   set_fwd_params(p, s, qf, kf, vf, of, lse, dropout_p, scale, causal, window_size_left, window_size_right);
   set_block_mask(p, mask);
@@ -429,9 +617,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> mha_bwd(
   p.dv_accum_ptr = dv_accum.data_ptr<float>();
   p.dq_accum_ptr = dq_accum.data_ptr<float>();
   p.num_splits = splits;
+  set_bwd_varlen_params(p, vl, packed);
   cpu::run_bwd(p);
   at::Tensor dq = (splits == 1 ? dq_accum.select(2, 0) : dq_accum.sum(2)).permute({0, 2, 1, 3});
-  return {dq.to(q.scalar_type()).contiguous(), group_sum(dk_accum), group_sum(dv_accum)};
+  return {unpack(dq.to(q.scalar_type()).contiguous()), unpack(group_sum(dk_accum)), unpack(group_sum(dv_accum))};
 }
 
 }  // namespace
@@ -444,14 +633,16 @@ TORCH_LIBRARY(flash_attn, m) {
   m.def(
       "fwd(Tensor q, Tensor k, Tensor v, float dropout_p=0., float? softmax_scale=None, bool causal=False, "
       "int window_size_left=-1, int window_size_right=-1, bool return_softmax=False, bool deterministic=False, "
-      "Tensor? block_layout=None, Tensor? q_block_lists=None, Tensor? k_block_lists=None) "
+      "Tensor? block_layout=None, Tensor? q_block_lists=None, Tensor? k_block_lists=None, "
+      "Tensor? cu_seqlens_q=None, Tensor? cu_seqlens_k=None, int max_seqlen_q=0, int max_seqlen_k=0) "
       "-> (Tensor out, Tensor softmax_lse, Tensor S_dmask, Tensor rng_state)",
       {at::Tag::nondeterministic_seeded});
   m.def(
       "bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor softmax_lse, float dropout_p=0., "
       "float? softmax_scale=None, bool causal=False, int window_size_left=-1, int window_size_right=-1, "
       "bool deterministic=False, Tensor? rng_state=None, Tensor? block_layout=None, Tensor? q_block_lists=None, "
-      "Tensor? k_block_lists=None) -> (Tensor dq, Tensor dk, Tensor dv)");
+      "Tensor? k_block_lists=None, Tensor? cu_seqlens_q=None, Tensor? cu_seqlens_k=None, int max_seqlen_q=0, "
+      "int max_seqlen_k=0) -> (Tensor dq, Tensor dk, Tensor dv)");
 }
 
 TORCH_LIBRARY_IMPL(flash_attn, CPU, m) {

@@ -9,6 +9,8 @@
 #include <optional>
 #include <tuple>
 
+#include "varlen_checks.h"
+
 namespace flash {
 namespace {
 
@@ -18,11 +20,12 @@ using OptTensor = std::optional<at::Tensor>;
 
 using FwdResult = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
 using FwdSig = FwdResult(const at::Tensor&, const at::Tensor&, const at::Tensor&, double, std::optional<double>, bool,
-                         int64_t, int64_t, bool, bool, const OptTensor&, const OptTensor&, const OptTensor&);
+                         int64_t, int64_t, bool, bool, const OptTensor&, const OptTensor&, const OptTensor&,
+                         const OptTensor&, const OptTensor&, int64_t, int64_t);
 using BwdSig = std::tuple<at::Tensor, at::Tensor, at::Tensor>(
     const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
     double, std::optional<double>, bool, int64_t, int64_t, bool, const OptTensor&, const OptTensor&, const OptTensor&,
-    const OptTensor&);
+    const OptTensor&, const OptTensor&, const OptTensor&, int64_t, int64_t);
 
 template <typename Sig>
 c10::TypedOperatorHandle<Sig> op_handle(const char* name) {
@@ -37,15 +40,19 @@ class FlashAttnFunction : public torch::autograd::Function<FlashAttnFunction> {
                                double dropout_p, std::optional<double> softmax_scale, bool causal,
                                int64_t window_left, int64_t window_right, bool return_softmax, bool deterministic,
                                const OptTensor& block_layout, const OptTensor& q_block_lists,
-                               const OptTensor& k_block_lists) {
+                               const OptTensor& k_block_lists, const OptTensor& cu_seqlens_q,
+                               const OptTensor& cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k) {
     static const auto fwd = op_handle<FwdSig>("flash_attn::fwd");
     at::AutoDispatchBelowADInplaceOrView below_autograd;
-    auto [out, lse, probs, rng_state] = fwd.call(q, k, v, dropout_p, softmax_scale, causal, window_left, window_right,
-                                                 return_softmax, deterministic, block_layout, q_block_lists,
-                                                 k_block_lists);
-    // Absent block-mask tensors are saved as undefined tensors and come back as nullopt.
+    auto [out, lse, probs, rng_state] =
+        fwd.call(q, k, v, dropout_p, softmax_scale, causal, window_left, window_right, return_softmax, deterministic,
+                 block_layout, q_block_lists, k_block_lists, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k);
+    // Absent optional tensors are saved as undefined tensors and come back as nullopt.
     ctx->save_for_backward({q, k, v, out, lse, rng_state, block_layout.value_or(at::Tensor()),
-                            q_block_lists.value_or(at::Tensor()), k_block_lists.value_or(at::Tensor())});
+                            q_block_lists.value_or(at::Tensor()), k_block_lists.value_or(at::Tensor()),
+                            cu_seqlens_q.value_or(at::Tensor()), cu_seqlens_k.value_or(at::Tensor())});
+    ctx->saved_data["max_seqlen_q"] = max_seqlen_q;
+    ctx->saved_data["max_seqlen_k"] = max_seqlen_k;
     ctx->saved_data["dropout_p"] = dropout_p;
     ctx->saved_data["softmax_scale"] = softmax_scale;
     ctx->saved_data["causal"] = causal;
@@ -59,7 +66,7 @@ class FlashAttnFunction : public torch::autograd::Function<FlashAttnFunction> {
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    constexpr int kNumInputs = 13;  // one gradient slot per forward argument
+    constexpr int kNumInputs = 17;  // one gradient slot per forward argument
     variable_list result(kNumInputs);
     const at::Tensor& dout = grads[0];
     if (!dout.defined()) return result;  // out does not reach the loss
@@ -70,10 +77,13 @@ class FlashAttnFunction : public torch::autograd::Function<FlashAttnFunction> {
         d.at("softmax_scale").isNone() ? std::nullopt : std::optional<double>(d.at("softmax_scale").toDouble());
     // The op wants a unit-stride last dim (a broadcast gradient can have stride 0 there).
     const at::Tensor dout_c = dout.sym_stride(-1) == 1 ? dout : dout.contiguous();
+    const VarlenOffsetsChecked checked_by_forward;
     auto [dq, dk, dv] = bwd.call(dout_c, saved[0], saved[1], saved[2], saved[3], saved[4], d.at("dropout_p").toDouble(),
                                  softmax_scale, d.at("causal").toBool(), d.at("window_left").toInt(),
                                  d.at("window_right").toInt(), d.at("deterministic").toBool(), saved[5],
-                                 optional_of(saved[6]), optional_of(saved[7]), optional_of(saved[8]));
+                                 optional_of(saved[6]), optional_of(saved[7]), optional_of(saved[8]),
+                                 optional_of(saved[9]), optional_of(saved[10]), d.at("max_seqlen_q").toInt(),
+                                 d.at("max_seqlen_k").toInt());
     result[0] = dq;
     result[1] = dk;
     result[2] = dv;
@@ -84,10 +94,12 @@ class FlashAttnFunction : public torch::autograd::Function<FlashAttnFunction> {
 FwdResult fwd_autograd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double dropout_p,
                        std::optional<double> softmax_scale, bool causal, int64_t window_left, int64_t window_right,
                        bool return_softmax, bool deterministic, const OptTensor& block_layout,
-                       const OptTensor& q_block_lists, const OptTensor& k_block_lists) {
+                       const OptTensor& q_block_lists, const OptTensor& k_block_lists, const OptTensor& cu_seqlens_q,
+                       const OptTensor& cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k) {
   const variable_list r =
       FlashAttnFunction::apply(q, k, v, dropout_p, softmax_scale, causal, window_left, window_right, return_softmax,
-                               deterministic, block_layout, q_block_lists, k_block_lists);
+                               deterministic, block_layout, q_block_lists, k_block_lists, cu_seqlens_q, cu_seqlens_k,
+                               max_seqlen_q, max_seqlen_k);
   return {r[0], r[1], r[2], r[3]};
 }
 

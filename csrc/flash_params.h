@@ -70,6 +70,21 @@ struct FwdParams : QKVParams {
   const int32_t* k_block_lists = nullptr;  // (mask_b, mask_h, mask_k_blocks, 1 + mask_q_blocks): query blocks
   int mask_b = 1, mask_h = 1, mask_q_blocks = 0, mask_k_blocks = 0;
 
+  // Variable-length batches: the b sequences lie packed along the rows of q, out, dO, dQ (total_q
+  // rows) and of k, v, dK, dV (total_k rows), sequence i at rows [cu_seqlens[i], cu_seqlens[i + 1]),
+  // with batch strides 0. seqlen_q / seqlen_k are then the longest sequences' lengths (they size the
+  // grids); a kernel takes its own sequence's lengths and first rows from seq_view (seq_view.h).
+  const int32_t* cu_seqlens_q = nullptr;  // (b + 1), or nullptr: a padded batch
+  const int32_t* cu_seqlens_k = nullptr;
+  int total_q = 0, total_k = 0;  // rows of the packed tensors (varlen), else seqlen_q / seqlen_k
+  int q_row0 = 0, k_row0 = 0;    // set by seq_view: the sequence's first q row and k row (else 0)
+
+  // softmax_lse is (batch, h, seqlen_q), or (h, total_q) with varlen (batch stride 0); row i of
+  // head (b, h) is at b * lse_batch_stride + h * lse_head_stride + q_row0 + i.
+  int64_t lse_batch_stride = 0, lse_head_stride = 0;
+  // p_ptr is (batch, h, seqlen_q, seqlen_k), the maxima with varlen.
+  int64_t p_batch_stride = 0, p_head_stride = 0, p_row_stride = 0;
+
   DType dtype = DType::kFloat32;
 };
 
@@ -85,15 +100,15 @@ struct BwdParams : FwdParams {
   int64_t dv_batch_stride = 0, dv_row_stride = 0, dv_head_stride = 0;
 
   // CUDA, from the pre-pass: rowsum(dO * O) and, when set, logsumexp * log2(e) (0 where the
-  // logsumexp is -inf), float32, laid out (batch, h, cuda::padded_query_rows(seqlen_q)); padded
-  // rows hold 0.
+  // logsumexp is -inf), float32, with the rows of stat_batch_stride below; padded rows hold 0.
   float* __restrict__ dsoftmax_sum_ptr = nullptr;
   float* __restrict__ softmax_lse_log2_ptr = nullptr;
 
   // CUDA without GQA: dK/dV go straight to dk_ptr / dv_ptr (dk_accum_ptr == nullptr).
   // Otherwise float32 scratch the op layer allocates: per-query-head dK/dV before the GQA group sum,
   // laid out (batch, h, seqlen_k, d) contiguous, and dQ partial sums, one per split of the key
-  // blocks, laid out (batch, h, num_splits, seqlen_q, d) and summed by the op layer. CUDA: when set
+  // blocks, laid out (batch, h, num_splits, seqlen_q, d) ((h, num_splits, total_q, d) with varlen)
+  // and summed by the op layer. CUDA: when set
   // (not deterministic), one zeroed dQ accumulator the kernels add into atomically, laid out as
   // cuda::dq_accum_shape() says.
   float* __restrict__ dk_accum_ptr = nullptr;
@@ -101,6 +116,16 @@ struct BwdParams : FwdParams {
   float* __restrict__ dq_accum_ptr = nullptr;
   bool dq_accum_swizzled = false;  // set by the kernel that wrote it (cuda::dq_accum_col)
   int num_splits = 1;
+
+  // CUDA: where row i of head (b, h) lies in the per-row buffers above (D, the base-2 logsumexp
+  // and, times its row stride, the dQ accumulator): b * stat_batch_stride + h * stat_head_stride +
+  // stat_row0 + i. Padded batches: (batch, h, padded_query_rows(seqlen_q)); varlen: (h, rows) with
+  // each sequence at its own padded offset (seq_view sets stat_row0; see varlen_stat_row0).
+  int64_t stat_batch_stride = 0, stat_head_stride = 0;
+  int stat_row0 = 0;
+  // The GQA dK/dV scratch rows: key j of head (b, h) at row b * kv_accum_batch_stride +
+  // h * kv_accum_head_stride + k_row0 + j ((batch, h, seqlen_k) or, varlen, (h, total_k)).
+  int64_t kv_accum_batch_stride = 0, kv_accum_head_stride = 0;
 };
 
 }  // namespace flash

@@ -4,7 +4,8 @@ from .version import __version__
 from . import ops  # loads the library, registers fake kernels and autograd
 from .block_sparse import BlockSparseMask
 from .interface import (flash_attn_blocksparse_func, flash_attn_blocksparse_qkvpacked_func, flash_attn_func,
-                        flash_attn_kvpacked_func, flash_attn_qkvpacked_func)
+                        flash_attn_kvpacked_func, flash_attn_qkvpacked_func, flash_attn_varlen_func,
+                        flash_attn_varlen_kvpacked_func, flash_attn_varlen_qkvpacked_func)
 
 __all__ = [
     "__version__",
@@ -14,4 +15,7 @@ __all__ = [
     "flash_attn_func",
     "flash_attn_kvpacked_func",
     "flash_attn_qkvpacked_func",
+    "flash_attn_varlen_func",
+    "flash_attn_varlen_kvpacked_func",
+    "flash_attn_varlen_qkvpacked_func",
 ]

@@ -1,6 +1,7 @@
 """The functional API, with flash-attn 2.x's names, arguments, layouts and return values.
 
-Tensors are (batch, seqlen, nheads, headdim). Validation happens in the C++ op layer, which every
+Tensors are (batch, seqlen, nheads, headdim), or for the varlen functions (total, nheads, headdim)
+with the sequences packed along the first dim. Validation happens in the C++ op layer, which every
 caller (Python, C++, torch.compile) goes through; this module only normalises arguments.
 """
 
@@ -40,13 +41,20 @@ def _block_mask_tensors(block_mask, q, k) -> tuple:
 
 
 def _attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-               deterministic, return_attn_probs, block_mask=None):
+               deterministic, return_attn_probs, block_mask=None, varlen=None):
     _unsupported(softcap, alibi_slopes)
     left, right = _window(window_size)
     out, softmax_lse, s_dmask, _ = ops.fwd(q, k, v, float(dropout_p), softmax_scale, bool(causal), left, right,
                                            bool(return_attn_probs), bool(deterministic),
-                                           *_block_mask_tensors(block_mask, q, k))
+                                           *_block_mask_tensors(block_mask, q, k), **(varlen or {}))
     return (out, softmax_lse, s_dmask) if return_attn_probs else out
+
+
+def _varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table=None) -> dict:
+    if block_table is not None:
+        raise NotImplementedError("flash_attn: block_table (paged KV cache) is not supported yet (pass block_table=None)")
+    return dict(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=int(max_seqlen_q),
+                max_seqlen_k=int(max_seqlen_k))
 
 
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
@@ -109,3 +117,47 @@ def flash_attn_blocksparse_qkvpacked_func(qkv, block_mask, dropout_p=0.0, softma
         raise ValueError(f"flash_attn: qkv must have shape (batch, seqlen, 3, nheads, headdim), got {tuple(qkv.shape)}")
     return flash_attn_blocksparse_func(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], block_mask, dropout_p,
                                        softmax_scale, causal, window_size, deterministic, return_attn_probs)
+
+
+def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
+                           softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                           deterministic=False, return_attn_probs=False, block_table=None):
+    """flash_attn_func on a batch of sequences of different lengths, packed without padding.
+
+    q: (total_q, nheads, headdim); k, v: (total_k, nheads_k, headdim). Sequence i is rows
+    cu_seqlens_q[i]:cu_seqlens_q[i + 1] of q and cu_seqlens_k[i]:cu_seqlens_k[i + 1] of k and v
+    (int32 offsets of length batch + 1, starting at 0 and ending at total_q / total_k); sequences
+    of length 0 are fine. max_seqlen_q / max_seqlen_k: Python ints at least the longest lengths
+    (flash_attn.bert_padding.unpad_input returns them). causal and window_size apply within each
+    sequence, bottom-right aligned as in flash_attn_func.
+
+    Returns out (total_q, nheads, headdim); with return_attn_probs=True also softmax_lse (nheads,
+    total_q) and S_dmask (batch, nheads, max_seqlen_q, max_seqlen_k), zero past each sequence.
+    Checking the offsets reads them on the host (a device sync in the forward; skipped while a
+    CUDA graph is being captured and when FLASH_ATTN_SKIP_VARLEN_CHECKS=1).
+    """
+    return _attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
+                      return_attn_probs, varlen=_varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                                        block_table))
+
+
+def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0, softmax_scale=None, causal=False,
+                                     window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
+                                     return_attn_probs=False):
+    """flash_attn_varlen_func on qkv of shape (total, 3, nheads, headdim), one set of offsets."""
+    if qkv.dim() != 4 or qkv.shape[1] != 3:
+        raise ValueError(f"flash_attn: qkv must have shape (total, 3, nheads, headdim), got {tuple(qkv.shape)}")
+    return flash_attn_varlen_func(qkv[:, 0], qkv[:, 1], qkv[:, 2], cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
+                                  dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
+                                  return_attn_probs)
+
+
+def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
+                                    softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                                    alibi_slopes=None, deterministic=False, return_attn_probs=False):
+    """flash_attn_varlen_func on q (total_q, nheads, headdim) and kv (total_k, 2, nheads_k, headdim)."""
+    if kv.dim() != 4 or kv.shape[1] != 2:
+        raise ValueError(f"flash_attn: kv must have shape (total_k, 2, nheads_k, headdim), got {tuple(kv.shape)}")
+    return flash_attn_varlen_func(q, kv[:, 0], kv[:, 1], cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                  dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
+                                  return_attn_probs)

@@ -15,11 +15,17 @@ fwd = torch.ops.flash_attn.fwd.default
 @torch.library.register_fake("flash_attn::fwd")
 def _fwd_fake(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size_left=-1,
               window_size_right=-1, return_softmax=False, deterministic=False, block_layout=None,
-              q_block_lists=None, k_block_lists=None):
-    b, sq, h, d = q.shape
-    sk = k.shape[1]
-    out = q.new_empty((b, sq, h, d))
-    lse = q.new_empty((b, h, sq), dtype=torch.float32)
+              q_block_lists=None, k_block_lists=None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=0,
+              max_seqlen_k=0):
+    out = q.new_empty(q.shape)
+    if cu_seqlens_q is not None:  # packed (total, h, d): lse (h, total_q), probs at the longest lengths
+        b, (total_q, h, _) = cu_seqlens_q.shape[0] - 1, q.shape
+        sq, sk = max_seqlen_q, max_seqlen_k
+        lse = q.new_empty((h, total_q), dtype=torch.float32)
+    else:
+        b, sq, h, _ = q.shape
+        sk = k.shape[1]
+        lse = q.new_empty((b, h, sq), dtype=torch.float32)
     probs = q.new_empty((b, h, sq, sk)) if return_softmax else q.new_empty((0,))
     rng_state = q.new_empty((2,), dtype=torch.int64)
     return out, lse, probs, rng_state
@@ -28,5 +34,6 @@ def _fwd_fake(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_s
 @torch.library.register_fake("flash_attn::bwd")
 def _bwd_fake(dout, q, k, v, out, softmax_lse, dropout_p=0.0, softmax_scale=None, causal=False,
               window_size_left=-1, window_size_right=-1, deterministic=False, rng_state=None, block_layout=None,
-              q_block_lists=None, k_block_lists=None):
+              q_block_lists=None, k_block_lists=None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=0,
+              max_seqlen_k=0):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)

@@ -1,19 +1,23 @@
 """A small forward+backward of each kernel family, for compute-sanitizer (memcheck, racecheck):
 on a Hopper GPU the sm90 kernels (the warp-specialized TMA ones and, at head dims 64 and 128, with
 FLASH_ATTN_SM90_FWD_SYNC=1, the cp.async forward) and (FLASH_ATTN_DISABLE_SM90=1) the portable ones;
-dense and
-block-sparse (a random 128 x 128 layout with an empty query block), atomic and deterministic dQ.
-Usage: sanitize_kernels.py [all|dense|blocksparse] (racecheck of "all" takes several minutes)."""
+dense,
+block-sparse (a random 128 x 128 layout with an empty query block) and varlen (packed sequences of
+lengths 0 to 200, the last one ending at the tensor's end), atomic and deterministic dQ.
+Usage: sanitize_kernels.py [all|dense|blocksparse|varlen] (racecheck of "all" takes several minutes)."""
 
 import os
 import sys
 
 import torch
 
-from flash_attn import BlockSparseMask, flash_attn_blocksparse_func, flash_attn_func
+from flash_attn import BlockSparseMask, flash_attn_blocksparse_func, flash_attn_func, flash_attn_varlen_func
 
 layout = torch.tensor([[True, False, True], [False, False, False], [True, True, False]])
 mask = BlockSparseMask.from_layout(layout, 300, 300).to("cuda")
+lens_q, lens_k = [70, 0, 1, 200, 129], [65, 3, 0, 150, 200]
+cu_q, cu_k = (torch.tensor([0] + list(torch.tensor(x).cumsum(0)), dtype=torch.int32, device="cuda")
+              for x in (lens_q, lens_k))
 which = sys.argv[1] if len(sys.argv) > 1 else "all"
 for portable, sync in (("0", "0"), ("0", "1"), ("1", "0")):
     os.environ["FLASH_ATTN_DISABLE_SM90"] = portable
@@ -25,6 +29,14 @@ for portable, sync in (("0", "0"), ("0", "1"), ("1", "0")):
                     q, k, v = [torch.randn(1, 150, 2, d, device="cuda", dtype=dtype, requires_grad=True)
                                for _ in range(3)]
                     out, _, _ = flash_attn_func(q, k, v, dropout_p=dropout_p, causal=causal, return_attn_probs=True)
+                    out.sum().backward()
+                for deterministic in (False, True) if which in ("all", "varlen") else ():
+                    q = torch.randn(sum(lens_q), 2, d, device="cuda", dtype=dtype, requires_grad=True)
+                    k, v = [torch.randn(sum(lens_k), 1, d, device="cuda", dtype=dtype, requires_grad=True)
+                            for _ in range(2)]
+                    out, _, _ = flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k),
+                                                       dropout_p=dropout_p, causal=causal,
+                                                       deterministic=deterministic, return_attn_probs=True)
                     out.sum().backward()
                 q, k, v = [torch.randn(1, 300, 2, d, device="cuda", dtype=dtype, requires_grad=True) for _ in range(3)]
                 for deterministic in (False, True) if which in ("all", "blocksparse") else ():

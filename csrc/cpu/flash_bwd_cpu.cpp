@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "../block_mask.h"
+#include "../seq_view.h"
 #include "cpu_gemm.h"
 #include "dropout_tile.h"
 #include "flash_cpu.h"
@@ -29,20 +30,21 @@ struct HeadGrads {
   uint32_t bh;
 };
 
+// p: a seq_view.
 HeadGrads head_grads(const BwdParams& p, int b, int h) {
   const int hk = h / p.h_h_k_ratio;
   HeadGrads g;
-  g.q = static_cast<const float*>(p.q_ptr) + b * p.q_batch_stride + h * p.q_head_stride;
-  g.k = static_cast<const float*>(p.k_ptr) + b * p.k_batch_stride + hk * p.k_head_stride;
-  g.v = static_cast<const float*>(p.v_ptr) + b * p.v_batch_stride + hk * p.v_head_stride;
-  g.o = static_cast<const float*>(p.o_ptr) + b * p.o_batch_stride + h * p.o_head_stride;
-  g.dout = static_cast<const float*>(p.do_ptr) + b * p.do_batch_stride + h * p.do_head_stride;
+  g.q = rows_of<const float>(p.q_ptr, b, h, p.q_row0, p.q_batch_stride, p.q_row_stride, p.q_head_stride);
+  g.k = rows_of<const float>(p.k_ptr, b, hk, p.k_row0, p.k_batch_stride, p.k_row_stride, p.k_head_stride);
+  g.v = rows_of<const float>(p.v_ptr, b, hk, p.k_row0, p.v_batch_stride, p.v_row_stride, p.v_head_stride);
+  g.o = rows_of<const float>(p.o_ptr, b, h, p.q_row0, p.o_batch_stride, p.o_row_stride, p.o_head_stride);
+  g.dout = rows_of<const float>(p.do_ptr, b, h, p.q_row0, p.do_batch_stride, p.do_row_stride, p.do_head_stride);
   g.b = b;
   g.h = h;
   g.bh = uint32_t(int64_t(b) * p.h + h);
-  g.lse = p.softmax_lse_ptr + int64_t(g.bh) * p.seqlen_q;
-  g.dk_accum = p.dk_accum_ptr + int64_t(g.bh) * p.seqlen_k * p.d;
-  g.dv_accum = p.dv_accum_ptr + int64_t(g.bh) * p.seqlen_k * p.d;
+  g.lse = lse_rows(p, b, h);
+  g.dk_accum = p.dk_accum_ptr + kv_accum_row(p, b, h) * p.d;
+  g.dv_accum = p.dv_accum_ptr + kv_accum_row(p, b, h) * p.d;
   return g;
 }
 
@@ -138,9 +140,15 @@ void run_bwd(const BwdParams& p) {
     for (int64_t t = begin; t < end; ++t) {
       const int split = int(t % p.num_splits);
       const int64_t bh = t / p.num_splits;
-      float* dq = p.dq_accum_ptr + t * int64_t(p.seqlen_q) * p.d;  // (b, h, split) is row-major t
-      head_backward(p, head_grads(p, int(bh / p.h), int(bh % p.h)), split * per_split,
-                    std::min(n_blocks, (split + 1) * per_split), dq, w);
+      const int b = int(bh / p.h), h = int(bh % p.h);
+      const BwdParams ps = seq_view(p, b);
+      // dQ partial sums (b, h, split, seqlen_q, d), or with varlen (h, split, total_q, d).
+      const bool packed = p.cu_seqlens_q != nullptr;
+      const int64_t slab = int64_t(packed ? p.total_q : p.seqlen_q) * p.d;
+      float* dq = p.dq_accum_ptr + ((int64_t(packed ? 0 : b) * p.h + h) * p.num_splits + split) * slab +
+                  int64_t(ps.q_row0) * p.d;
+      head_backward(ps, head_grads(ps, b, h), split * per_split, std::min(ceil_div(ps.seqlen_k, kBlockN), (split + 1) * per_split),
+                    dq, w);
     }
   });
 }

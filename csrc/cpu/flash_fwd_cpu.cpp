@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "../block_mask.h"
+#include "../seq_view.h"
 #include "cpu_gemm.h"
 #include "dropout_tile.h"
 #include "flash_cpu.h"
@@ -32,18 +33,19 @@ struct HeadView {
   uint32_t bh;
 };
 
+// p: a seq_view.
 HeadView head_view(const FwdParams& p, int b, int h) {
   const int hk = h / p.h_h_k_ratio;
   HeadView v;
-  v.q = static_cast<const float*>(p.q_ptr) + b * p.q_batch_stride + h * p.q_head_stride;
-  v.k = static_cast<const float*>(p.k_ptr) + b * p.k_batch_stride + hk * p.k_head_stride;
-  v.v = static_cast<const float*>(p.v_ptr) + b * p.v_batch_stride + hk * p.v_head_stride;
-  v.o = static_cast<float*>(p.o_ptr) + b * p.o_batch_stride + h * p.o_head_stride;
+  v.q = rows_of<const float>(p.q_ptr, b, h, p.q_row0, p.q_batch_stride, p.q_row_stride, p.q_head_stride);
+  v.k = rows_of<const float>(p.k_ptr, b, hk, p.k_row0, p.k_batch_stride, p.k_row_stride, p.k_head_stride);
+  v.v = rows_of<const float>(p.v_ptr, b, hk, p.k_row0, p.v_batch_stride, p.v_row_stride, p.v_head_stride);
+  v.o = rows_of<float>(p.o_ptr, b, h, p.q_row0, p.o_batch_stride, p.o_row_stride, p.o_head_stride);
   v.b = b;
   v.h = h;
   v.bh = uint32_t(int64_t(b) * p.h + h);
-  v.lse = p.softmax_lse_ptr + int64_t(v.bh) * p.seqlen_q;
-  v.probs = p.p_ptr ? p.p_ptr + int64_t(v.bh) * p.seqlen_q * p.seqlen_k : nullptr;
+  v.lse = lse_rows(p, b, h);
+  v.probs = p.p_ptr ? p.p_ptr + b * p.p_batch_stride + h * p.p_head_stride : nullptr;
   return v;
 }
 
@@ -134,7 +136,7 @@ void write_probs(const FwdParams& p, const HeadView& hv, int i0, Scratch& w) {
     score_tile(p, hv, i0, rows, j0, cols, w);
     for (int r = 0; r < rows; ++r) {
       float* srow = w.s.data() + r * kBlockN;
-      float* dst = hv.probs + int64_t(i0 + r) * p.seqlen_k + j0;
+      float* dst = hv.probs + (i0 + r) * p.p_row_stride + j0;
       const ColRange c = clip_to_tile(row_cols(p, i0 + r), j0, cols);
       const float shift = hv.lse[i0 + r] * kLog2e;
       for (int col = 0; col < cols; ++col) {
@@ -159,9 +161,11 @@ void run_fwd(const FwdParams& p) {
       const int mb = int(t % n_mblocks);
       const int h = int((t / n_mblocks) % p.h);
       const int b = int(t / (int64_t(n_mblocks) * p.h));
-      const HeadView hv = head_view(p, b, h);
-      query_block(p, hv, mb * block_m, w);
-      if (hv.probs) write_probs(p, hv, mb * block_m, w);
+      const FwdParams ps = seq_view(p, b);
+      if (mb * block_m >= ps.seqlen_q) continue;  // varlen: past this sequence's rows
+      const HeadView hv = head_view(ps, b, h);
+      query_block(ps, hv, mb * block_m, w);
+      if (hv.probs) write_probs(ps, hv, mb * block_m, w);
     }
   });
 }

@@ -65,13 +65,14 @@ __device__ __forceinline__ void atomic_add2(float* dst, float x, float y) {
 // Write one 16-key tile of the dK and dV accumulators (keys key16 + g and key16 + g + 8, columns
 // d0 + [0, kDK)), dK times softmax_scale. Without GQA they are final and written in the input
 // dtype; with GQA as float32 per-query-head partials, which the op layer sums over each group.
+// p: a seq_view.
 template <typename Elem, int kDK>
-__device__ __forceinline__ void write_dk_dv_tile(const BwdParams& p, int b, int h, uint32_t bh, int key16, int d0,
+__device__ __forceinline__ void write_dk_dv_tile(const BwdParams& p, int b, int h, int key16, int d0,
                                                  const float (&dk)[kDK / 8][4], const float (&dv)[kDK / 8][4],
                                                  int lane) {
   const int g = lane / 4, t = lane % 4;
-  Elem* dk_out = static_cast<Elem*>(p.dk_ptr) + b * p.dk_batch_stride + h * p.dk_head_stride;
-  Elem* dv_out = static_cast<Elem*>(p.dv_ptr) + b * p.dv_batch_stride + h * p.dv_head_stride;
+  Elem* dk_out = rows_of<Elem>(p.dk_ptr, b, h, p.k_row0, p.dk_batch_stride, p.dk_row_stride, p.dk_head_stride);
+  Elem* dv_out = rows_of<Elem>(p.dv_ptr, b, h, p.k_row0, p.dv_batch_stride, p.dv_row_stride, p.dv_head_stride);
 #pragma unroll
   for (int hr = 0; hr < 2; ++hr) {
     const int key = key16 + g + 8 * hr;
@@ -81,7 +82,7 @@ __device__ __forceinline__ void write_dk_dv_tile(const BwdParams& p, int b, int 
       store_acc_row<Elem, kDK>(dv_out + key * p.dv_row_stride + d0, dv, hr, 1.f, p.d - d0, lane);
       continue;
     }
-    const int64_t row_off = (int64_t(bh) * p.seqlen_k + key) * p.d;
+    const int64_t row_off = (kv_accum_row(p, b, h) + key) * p.d;
 #pragma unroll
     for (int nt = 0; nt < kDK / 8; ++nt) {
       const int col = d0 + nt * 8 + 2 * t;
@@ -95,7 +96,7 @@ __device__ __forceinline__ void write_dk_dv_tile(const BwdParams& p, int b, int 
 
 // kDropout = false compiles the dropout code out (p.p_dropout must be 0); true checks p.p_dropout.
 template <typename T, bool kDropout>
-__global__ void __launch_bounds__(T::kNThreads, 1) flash_bwd_dkdv_kernel(const BwdParams p) {
+__global__ void __launch_bounds__(T::kNThreads, 1) flash_bwd_dkdv_kernel(const BwdParams params) {
   using Elem = typename T::Elem;
   constexpr int kD = T::kHeadDim, kM = T::kBlockM, kN = T::kBlockN, kS = T::kStride, kSP = T::kStrideP;
   constexpr int kMTS = T::kMTS, kNS = T::kNS, kMTKV = T::kMTKV, kDKV = T::kDKV, kMTQ = T::kMTQ, kDQ = T::kDQ;
@@ -111,13 +112,14 @@ __global__ void __launch_bounds__(T::kNThreads, 1) flash_bwd_dkdv_kernel(const B
 
   const int j0 = blockIdx.x * kN, h = blockIdx.y, b = blockIdx.z;
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
+  const BwdParams p = seq_view(params, b);
+  if (j0 >= p.seqlen_k) return;  // varlen: past this sequence's keys
   const HeadPtrs<Elem> hp = head_ptrs<Elem>(p, b, h);
-  const Elem* dout = static_cast<const Elem*>(p.do_ptr) + b * p.do_batch_stride + h * p.do_head_stride;
-  const float* lse = p.softmax_lse_ptr + int64_t(hp.bh) * p.seqlen_q;
-  const int64_t rows_per_head = padded_query_rows(p.seqlen_q);
-  const float* dsum = p.dsoftmax_sum_ptr + hp.bh * rows_per_head;
+  const Elem* dout = rows_of<const Elem>(p.do_ptr, b, h, p.q_row0, p.do_batch_stride, p.do_row_stride, p.do_head_stride);
+  const float* lse = lse_rows(p, b, h);
+  const float* dsum = p.dsoftmax_sum_ptr + stat_row(p, b, h);
   // dQ accumulator of this (batch, head): kD floats per row, as dq_accum_shape() lays it out.
-  float* dq_accum = T::kDoDQ ? p.dq_accum_ptr + hp.bh * rows_per_head * kD : nullptr;
+  float* dq_accum = T::kDoDQ ? p.dq_accum_ptr + stat_row(p, b, h) * kD : nullptr;
   const bool dropout = kDropout && p.p_dropout > 0.f;
   const DropoutState ds = dropout ? dropout_state_bwd(p) : DropoutState{};
 
@@ -248,7 +250,7 @@ __global__ void __launch_bounds__(T::kNThreads, 1) flash_bwd_dkdv_kernel(const B
 
 #pragma unroll
   for (int mt = 0; mt < kMTKV; ++mt)
-    write_dk_dv_tile<Elem, kDKV>(p, b, h, hp.bh, j0 + kv_n0 + mt * 16, kv_d0, dk[mt], dv[mt], lane);
+    write_dk_dv_tile<Elem, kDKV>(p, b, h, j0 + kv_n0 + mt * 16, kv_d0, dk[mt], dv[mt], lane);
 }
 
 }  // namespace flash::cuda

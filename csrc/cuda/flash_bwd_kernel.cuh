@@ -10,24 +10,25 @@
 namespace flash::cuda {
 
 // D[b, h, i] = sum_d dO[b, i, h, d] * O[b, i, h, d], eight lanes per row, 16-byte loads (d is a
-// multiple of 8), over the padded rows of padded_query_rows (their D is 0). Where set, it also
-// writes the row's base-2 logsumexp and zeroes the row's dQ accumulator (kHeadDim floats).
+// multiple of 8), over each sequence's padded rows of padded_query_rows (their D is 0). Where set,
+// it also writes the row's base-2 logsumexp and zeroes the row's dQ accumulator (kHeadDim floats).
+// Threads cover (batch, padded_query_rows(seqlen_q), h): with varlen, the longest sequence's.
 template <typename Elem, int kHeadDim>
-__global__ void flash_bwd_dot_do_o_kernel(const BwdParams p) {
-  constexpr int kLanes = 8;
-  const int64_t rows_per_head = padded_query_rows(p.seqlen_q);
+__global__ void flash_bwd_dot_do_o_kernel(const BwdParams params) {
+  constexpr int kLanes = 8;  // the shuffle mask below assumes 8
+  const int64_t rows_per_head = padded_query_rows(params.seqlen_q);
   const int64_t row = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / kLanes;
   const int lane = threadIdx.x % kLanes;
-  const bool valid = row < int64_t(p.b) * rows_per_head * p.h;
+  if (row >= int64_t(params.b) * rows_per_head * params.h) return;
+  const int h = int(row % params.h), i = int((row / params.h) % rows_per_head);
+  const int b = int(row / (int64_t(params.h) * rows_per_head));
+  const BwdParams p = seq_view(params, b);
+  if (i >= padded_query_rows(p.seqlen_q)) return;  // varlen: past this sequence's padded rows
   float sum = 0.f;
-  int h = 0, i = 0, b = 0;
-  if (valid) {
-    h = int(row % p.h), i = int((row / p.h) % rows_per_head), b = int(row / (int64_t(p.h) * rows_per_head));
-  }
-  if (valid && i < p.seqlen_q) {
-    const Elem* o = static_cast<const Elem*>(p.o_ptr) + b * p.o_batch_stride + i * p.o_row_stride + h * p.o_head_stride;
+  if (i < p.seqlen_q) {
+    const Elem* o = rows_of<const Elem>(p.o_ptr, b, h, p.q_row0 + i, p.o_batch_stride, p.o_row_stride, p.o_head_stride);
     const Elem* dout =
-        static_cast<const Elem*>(p.do_ptr) + b * p.do_batch_stride + i * p.do_row_stride + h * p.do_head_stride;
+        rows_of<const Elem>(p.do_ptr, b, h, p.q_row0 + i, p.do_batch_stride, p.do_row_stride, p.do_head_stride);
     for (int c = lane * 8; c < p.d; c += kLanes * 8) {
       const uint4 ov = *reinterpret_cast<const uint4*>(o + c), dv = *reinterpret_cast<const uint4*>(dout + c);
       const Elem* oe = reinterpret_cast<const Elem*>(&ov);
@@ -36,18 +37,20 @@ __global__ void flash_bwd_dot_do_o_kernel(const BwdParams p) {
       for (int e = 0; e < 8; ++e) sum += to_float(oe[e]) * to_float(de[e]);
     }
   }
-  const int64_t at = (int64_t(b) * p.h + h) * rows_per_head + i;
-  if (valid && p.dq_accum_ptr != nullptr) {
+  const int64_t at = stat_row(p, b, h) + i;
+  if (p.dq_accum_ptr != nullptr) {
     float* acc = p.dq_accum_ptr + at * kHeadDim;
 #pragma unroll
     for (int c = lane * 4; c < kHeadDim; c += kLanes * 4) *reinterpret_cast<float4*>(acc + c) = float4{0.f, 0.f, 0.f, 0.f};
   }
+  // A row's kLanes lanes return or stay together: the sum needs only theirs.
+  const unsigned row_lanes = 0xffu << (threadIdx.x % 32 / kLanes * kLanes);
 #pragma unroll
-  for (int off = kLanes / 2; off > 0; off /= 2) sum += __shfl_xor_sync(0xffffffff, sum, off);
-  if (valid && lane == 0) {
+  for (int off = kLanes / 2; off > 0; off /= 2) sum += __shfl_xor_sync(row_lanes, sum, off);
+  if (lane == 0) {
     p.dsoftmax_sum_ptr[at] = sum;
     if (p.softmax_lse_log2_ptr != nullptr) {
-      const float l = i < p.seqlen_q ? p.softmax_lse_ptr[(int64_t(b) * p.h + h) * p.seqlen_q + i] : kNegInf;
+      const float l = i < p.seqlen_q ? lse_rows(p, b, h)[i] : kNegInf;
       p.softmax_lse_log2_ptr[at] = l == kNegInf ? 0.f : l * kLog2e;
     }
   }
@@ -55,20 +58,23 @@ __global__ void flash_bwd_dot_do_o_kernel(const BwdParams p) {
 
 // dQ (batch, seqlen_q, h, d) in the input dtype from the float32 accumulator of the atomic mode
 // (layout of dq_accum_shape, columns as dq_accum_col places them), times softmax_scale; four
-// elements per thread (d is a multiple of 8).
+// elements per thread (d is a multiple of 8). Threads cover (batch, h, seqlen_q): with varlen,
+// the longest sequence's.
 template <typename Elem, int kHeadDim>
-__global__ void flash_bwd_convert_dq_kernel(const BwdParams p) {
+__global__ void flash_bwd_convert_dq_kernel(const BwdParams params) {
   const int64_t quad = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  const int quads_per_row = p.d / 4;
-  if (quad >= int64_t(p.b) * p.h * p.seqlen_q * quads_per_row) return;
+  const int quads_per_row = params.d / 4;
+  if (quad >= int64_t(params.b) * params.h * params.seqlen_q * quads_per_row) return;
   const int c = int(quad % quads_per_row) * 4;
   const int64_t row = quad / quads_per_row;  // (b, h, i)
-  const int i = int(row % p.seqlen_q);
-  const int64_t bh = row / p.seqlen_q;
-  const int h = int(bh % p.h), b = int(bh / p.h);
-  const float4 x = *reinterpret_cast<const float4*>(p.dq_accum_ptr + (bh * padded_query_rows(p.seqlen_q) + i) * kHeadDim +
+  const int i = int(row % params.seqlen_q);
+  const int64_t bh = row / params.seqlen_q;
+  const int h = int(bh % params.h), b = int(bh / params.h);
+  const BwdParams p = seq_view(params, b);
+  if (i >= p.seqlen_q) return;  // varlen: past this sequence's rows
+  const float4 x = *reinterpret_cast<const float4*>(p.dq_accum_ptr + (stat_row(p, b, h) + i) * kHeadDim +
                                                    dq_accum_col(p.dq_accum_swizzled, i, c));
-  Elem* dst = static_cast<Elem*>(p.dq_ptr) + b * p.dq_batch_stride + i * p.dq_row_stride + h * p.dq_head_stride + c;
+  Elem* dst = rows_of<Elem>(p.dq_ptr, b, h, p.q_row0 + i, p.dq_batch_stride, p.dq_row_stride, p.dq_head_stride) + c;
   const float sc = p.scale_softmax;
   uint2 packed;
   packed.x = pack2<Elem>(x.x * sc, x.y * sc);
@@ -77,7 +83,7 @@ __global__ void flash_bwd_convert_dq_kernel(const BwdParams p) {
 }
 
 template <typename T>
-__global__ void __launch_bounds__(T::kNThreads) flash_bwd_dq_kernel(const BwdParams p) {
+__global__ void __launch_bounds__(T::kNThreads) flash_bwd_dq_kernel(const BwdParams params) {
   using Elem = typename T::Elem;
   constexpr int kD = T::kHeadDim, kM = T::kBlockM, kN = T::kBlockN, kS = T::kStride, kMT = T::kMTiles;
   extern __shared__ __align__(16) char smem_raw[];
@@ -88,8 +94,12 @@ __global__ void __launch_bounds__(T::kNThreads) flash_bwd_dq_kernel(const BwdPar
 
   const int m0 = blockIdx.x * kM, h = blockIdx.y, b = blockIdx.z;
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4;
+  const BwdParams p = seq_view(params, b);
+  if (m0 >= p.seqlen_q) return;  // varlen: past this sequence's rows
   const HeadPtrs<Elem> hp = head_ptrs<Elem>(p, b, h);
-  const Elem* dout = static_cast<const Elem*>(p.do_ptr) + b * p.do_batch_stride + h * p.do_head_stride;
+  const Elem* dout = rows_of<const Elem>(p.do_ptr, b, h, p.q_row0, p.do_batch_stride, p.do_row_stride, p.do_head_stride);
+  const float* lse_h = lse_rows(p, b, h);
+  const float* dsum_h = p.dsoftmax_sum_ptr + stat_row(p, b, h);
   const bool dropout = p.p_dropout > 0.f;
   const DropoutState ds = dropout ? dropout_state_bwd(p) : DropoutState{};
   const int warp_row = warp * 16 * kMT;  // first query of this warp, relative to m0
@@ -100,8 +110,8 @@ __global__ void __launch_bounds__(T::kNThreads) flash_bwd_dq_kernel(const BwdPar
     for (int hr = 0; hr < 2; ++hr) {
       const int row = m0 + warp_row + mt * 16 + g + 8 * hr;
       const bool ok = row < p.seqlen_q;
-      lse2[mt][hr] = ok ? p.softmax_lse_ptr[int64_t(hp.bh) * p.seqlen_q + row] * kLog2e : 0.f;
-      dsum[mt][hr] = ok ? p.dsoftmax_sum_ptr[int64_t(hp.bh) * padded_query_rows(p.seqlen_q) + row] : 0.f;
+      lse2[mt][hr] = ok ? lse_h[row] * kLog2e : 0.f;
+      dsum[mt][hr] = ok ? dsum_h[row] : 0.f;
     }
 
   const TileSeq tiles = key_tiles<kN>(p, b, h, m0, kM);
@@ -151,7 +161,7 @@ __global__ void __launch_bounds__(T::kNThreads) flash_bwd_dq_kernel(const BwdPar
     __syncthreads();  // every warp is done with sK, sV
   }
 
-  Elem* dqp = static_cast<Elem*>(p.dq_ptr) + b * p.dq_batch_stride + h * p.dq_head_stride;
+  Elem* dqp = rows_of<Elem>(p.dq_ptr, b, h, p.q_row0, p.dq_batch_stride, p.dq_row_stride, p.dq_head_stride);
 #pragma unroll
   for (int mt = 0; mt < kMT; ++mt)
 #pragma unroll

@@ -6,6 +6,7 @@
 
 #include "../block_mask.h"
 #include "../flash_params.h"
+#include "../seq_view.h"
 #include "dropout_frag.cuh"
 #include "kernel_traits.cuh"
 #include "softmax_frag.cuh"
@@ -21,12 +22,13 @@ struct HeadPtrs {
   uint32_t bh;  // batch * h + head: the dropout stream and the row of lse
 };
 
+// p: a seq_view (q, k and v start at the sequence's first rows).
 template <typename Elem>
 __device__ __forceinline__ HeadPtrs<Elem> head_ptrs(const FwdParams& p, int b, int h) {
   const int hk = h / p.h_h_k_ratio;
-  return HeadPtrs<Elem>{static_cast<const Elem*>(p.q_ptr) + b * p.q_batch_stride + h * p.q_head_stride,
-                        static_cast<const Elem*>(p.k_ptr) + b * p.k_batch_stride + hk * p.k_head_stride,
-                        static_cast<const Elem*>(p.v_ptr) + b * p.v_batch_stride + hk * p.v_head_stride,
+  return HeadPtrs<Elem>{rows_of<const Elem>(p.q_ptr, b, h, p.q_row0, p.q_batch_stride, p.q_row_stride, p.q_head_stride),
+                        rows_of<const Elem>(p.k_ptr, b, hk, p.k_row0, p.k_batch_stride, p.k_row_stride, p.k_head_stride),
+                        rows_of<const Elem>(p.v_ptr, b, hk, p.k_row0, p.v_batch_stride, p.v_row_stride, p.v_head_stride),
                         uint32_t(b) * uint32_t(p.h) + uint32_t(h)};
 }
 
@@ -70,11 +72,13 @@ __device__ __forceinline__ void dropout_qmajor(float (&s)[kN / 8][4], const Drop
 }
 
 // Normalise the thread's two rows of a 16-row output tile (row0 = the tile's first row + g, and
-// row0 + 8) by their softmax sums and write them and their logsumexp (-inf where nothing was seen).
+// row0 + 8) of head (b, h) by their softmax sums and write them and their logsumexp (-inf where
+// nothing was seen). p: a seq_view.
 template <typename Elem, int kD>
-__device__ __forceinline__ void write_o_lse(const FwdParams& p, Elem* o, uint32_t bh, int row0,
-                                            const float (&acc)[kD / 8][4], const float (&m)[2], const float (&l)[2],
-                                            int lane) {
+__device__ __forceinline__ void write_o_lse(const FwdParams& p, int b, int h, int row0, const float (&acc)[kD / 8][4],
+                                            const float (&m)[2], const float (&l)[2], int lane) {
+  Elem* o = rows_of<Elem>(p.o_ptr, b, h, p.q_row0, p.o_batch_stride, p.o_row_stride, p.o_head_stride);
+  float* lse = lse_rows(p, b, h);
 #pragma unroll
   for (int hr = 0; hr < 2; ++hr) {
     const int row = row0 + 8 * hr;
@@ -82,13 +86,13 @@ __device__ __forceinline__ void write_o_lse(const FwdParams& p, Elem* o, uint32_
     if (row >= p.seqlen_q) continue;
     store_acc_row<Elem, kD>(o + row * p.o_row_stride, acc, hr, lsum > 0.f ? p.rp_dropout / lsum : 0.f, p.d, lane);
     if (lane % 4 == 0)
-      p.softmax_lse_ptr[int64_t(bh) * p.seqlen_q + row] = lsum > 0.f ? (m[hr] + __log2f(lsum)) * kLn2 : kNegInf;
+      lse[row] = lsum > 0.f ? (m[hr] + __log2f(lsum)) * kLn2 : kNegInf;
   }
 }
 
 // kDropout: a separate instantiation, so the common path carries no Philox code or registers.
 template <typename T, bool kDropout>
-__global__ void __launch_bounds__(T::kNThreads) flash_fwd_kernel(const FwdParams p) {
+__global__ void __launch_bounds__(T::kNThreads) flash_fwd_kernel(const FwdParams params) {
   using Elem = typename T::Elem;
   constexpr int kD = T::kHeadDim, kM = T::kBlockM, kN = T::kBlockN, kS = T::kStride, kMT = T::kMTiles;
   extern __shared__ __align__(16) char smem_raw[];
@@ -100,16 +104,18 @@ __global__ void __launch_bounds__(T::kNThreads) flash_fwd_kernel(const FwdParams
   // early and the short ones fill the tail of the grid.
   const int m0 = (gridDim.x - 1 - blockIdx.x) * kM, h = blockIdx.y, b = blockIdx.z;
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4;
-  const HeadPtrs<Elem> hp = head_ptrs<Elem>(p, b, h);
   constexpr bool dropout = kDropout;
   DropoutState ds{};
   if (dropout) {
-    ds = dropout_state_fwd(p);
-    if (p.rng_state_ptr != nullptr && blockIdx.x == 0 && h == 0 && b == 0 && tid == 0) {
-      p.rng_state_ptr[0] = int64_t(ds.seed);
-      p.rng_state_ptr[1] = int64_t(ds.offset);
+    ds = dropout_state_fwd(params);
+    if (params.rng_state_ptr != nullptr && blockIdx.x == 0 && h == 0 && b == 0 && tid == 0) {
+      params.rng_state_ptr[0] = int64_t(ds.seed);
+      params.rng_state_ptr[1] = int64_t(ds.offset);
     }
   }
+  const FwdParams p = seq_view(params, b);
+  if (m0 >= p.seqlen_q) return;  // varlen: past this sequence's rows
+  const HeadPtrs<Elem> hp = head_ptrs<Elem>(p, b, h);
 
   const TileSeq tiles = key_tiles<kN>(p, b, h, m0, kM);
   const int warp_row = warp * 16 * kMT;  // first query of this warp, relative to m0
@@ -182,16 +188,14 @@ __global__ void __launch_bounds__(T::kNThreads) flash_fwd_kernel(const FwdParams
     gemm_rs<Elem, kMT, kN, kD, kS>(acc, a, sVc, lane);
   }
 
-  Elem* o = static_cast<Elem*>(p.o_ptr) + b * p.o_batch_stride + h * p.o_head_stride;
 #pragma unroll
-  for (int mt = 0; mt < kMT; ++mt)
-    write_o_lse<Elem, kD>(p, o, hp.bh, m0 + warp_row + mt * 16 + g, acc[mt], m[mt], l[mt], lane);
+  for (int mt = 0; mt < kMT; ++mt) write_o_lse<Elem, kD>(p, b, h, m0 + warp_row + mt * 16 + g, acc[mt], m[mt], l[mt], lane);
 }
 
 // return_attn_probs: once the logsumexp is known, recompute each score tile and write the exact
-// probabilities (negated where dropout drops) to p_ptr, (batch, h, seqlen_q, seqlen_k) float32.
+// probabilities (negated where dropout drops) to p_ptr (FwdParams::p_batch_stride), float32.
 template <typename T>
-__global__ void __launch_bounds__(T::kNThreads) flash_fwd_probs_kernel(const FwdParams p) {
+__global__ void __launch_bounds__(T::kNThreads) flash_fwd_probs_kernel(const FwdParams params) {
   using Elem = typename T::Elem;
   constexpr int kD = T::kHeadDim, kM = T::kBlockM, kN = T::kBlockN, kS = T::kStride;
   extern __shared__ __align__(16) char smem_raw[];
@@ -200,7 +204,11 @@ __global__ void __launch_bounds__(T::kNThreads) flash_fwd_probs_kernel(const Fwd
 
   const int m0 = blockIdx.x * kM, h = blockIdx.y, b = blockIdx.z;
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
+  const FwdParams p = seq_view(params, b);
+  if (m0 >= p.seqlen_q) return;  // varlen: past this sequence's rows (the op layer zeroed them)
   const HeadPtrs<Elem> hp = head_ptrs<Elem>(p, b, h);
+  const float* lse_h = lse_rows(p, b, h);
+  float* probs = p.p_ptr + b * p.p_batch_stride + h * p.p_head_stride;
   const bool dropout = p.p_dropout > 0.f;
   const DropoutState ds = dropout ? dropout_state_bwd(p) : DropoutState{};
 
@@ -218,7 +226,7 @@ __global__ void __launch_bounds__(T::kNThreads) flash_fwd_probs_kernel(const Fwd
 #pragma unroll
     for (int hr = 0; hr < 2; ++hr) {
       const int row = row0 + 8 * hr;
-      const float lse = row < p.seqlen_q ? p.softmax_lse_ptr[int64_t(hp.bh) * p.seqlen_q + row] : kNegInf;
+      const float lse = row < p.seqlen_q ? lse_h[row] : kNegInf;
       lse2[hr] = lse == kNegInf ? 0.f : lse * kLog2e;
     }
     float s[kN / 8][4];
@@ -239,7 +247,7 @@ __global__ void __launch_bounds__(T::kNThreads) flash_fwd_probs_kernel(const Fwd
         if (row >= p.seqlen_q || col >= p.seqlen_k) continue;
         float prob = kept ? fast_exp2(s[n][r] - lse2[r >> 1]) : 0.f;
         if (dropout && !keep[n / 2][n % 2][r]) prob = -prob;
-        p.p_ptr[(int64_t(hp.bh) * p.seqlen_q + row) * p.seqlen_k + col] = prob;
+        probs[row * p.p_row_stride + col] = prob;
       }
     }
     __syncthreads();  // before the next K tile overwrites sK

@@ -7,22 +7,18 @@
 
 #include "../flash_params.h"
 #include "../host_device.h"
+#include "../seq_view.h"
 
 namespace flash::cuda {
 
 // Head dims with compiled kernels; other sizes run on the next larger one (zero-padded).
 inline constexpr int kHeadDims[] = {32, 64, 96, 128, 160, 192, 224, 256};
 
-// The backward's per-row buffers (the float32 dQ accumulator of the atomic mode, D and the
-// base-2 logsumexp) have their rows padded per (batch, head) to a multiple of every main kernel's
-// query block, so whole query blocks can be read and added without bounds checks.
-inline constexpr int kDqAccumRowPad = 128;
-FLASH_HOST_DEVICE int64_t padded_query_rows(int64_t seqlen_q) {
-  return (seqlen_q + kDqAccumRowPad - 1) / kDqAccumRowPad * kDqAccumRowPad;
-}
+using flash::kDqAccumRowPad;
+using flash::padded_query_rows;
 
-// The dQ accumulator: layout (batch, h, padded_query_rows, row_stride), the row stride the
-// kernel's head dim.
+// The dQ accumulator: rows as BwdParams::stat_batch_stride lays them out (padded batches:
+// (batch, h, padded_query_rows(seqlen_q))), row_stride floats each: the kernel's head dim.
 struct DqAccumShape {
   int64_t rows, row_stride;
 };

@@ -9,7 +9,7 @@
 namespace flash::hopper {
 
 // The backward's inputs for one (batch, head) and that head's rows of the dQ accumulator (kD
-// columns, rows padded as dq_accum_shape() pads them).
+// columns, rows padded as dq_accum_shape() pads them). p: a seq_view.
 template <typename Elem>
 struct BwdHeadPtrs {
   cuda::HeadPtrs<Elem> in;  // q, k, v and bh
@@ -21,13 +21,13 @@ struct BwdHeadPtrs {
 template <typename Elem, int kD, int kM>
 __device__ __forceinline__ BwdHeadPtrs<Elem> bwd_head_ptrs(const BwdParams& p, int b, int h) {
   static_assert(cuda::kDqAccumRowPad % kM == 0, "padded_query_rows() pads rows to the query block");
-  const int64_t rows_per_head = cuda::padded_query_rows(p.seqlen_q);
+  const int64_t stat = stat_row(p, b, h);
   BwdHeadPtrs<Elem> r;
   r.in = cuda::head_ptrs<Elem>(p, b, h);
-  r.dout = static_cast<const Elem*>(p.do_ptr) + b * p.do_batch_stride + h * p.do_head_stride;
-  r.lse2 = p.softmax_lse_log2_ptr + r.in.bh * rows_per_head;
-  r.dsum = p.dsoftmax_sum_ptr + r.in.bh * rows_per_head;
-  r.dq_accum = p.dq_accum_ptr + r.in.bh * rows_per_head * kD;
+  r.dout = rows_of<const Elem>(p.do_ptr, b, h, p.q_row0, p.do_batch_stride, p.do_row_stride, p.do_head_stride);
+  r.lse2 = p.softmax_lse_log2_ptr + stat;
+  r.dsum = p.dsoftmax_sum_ptr + stat;
+  r.dq_accum = p.dq_accum_ptr + stat * kD;
   return r;
 }
 

@@ -11,7 +11,7 @@ namespace flash::hopper {
 
 // kBlockSparse: whether a block mask may be set; without, the tile walk folds to counting.
 template <typename T, bool kBlockSparse>
-__global__ void __launch_bounds__(T::kNThreads, 1) flash_bwd_sm90_split_d_kernel(const BwdParams p) {
+__global__ void __launch_bounds__(T::kNThreads, 1) flash_bwd_sm90_split_d_kernel(const BwdParams params) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using namespace cute;
   using Elem = typename T::Elem;
@@ -43,6 +43,8 @@ __global__ void __launch_bounds__(T::kNThreads, 1) flash_bwd_sm90_split_d_kernel
   const int j0 = blockIdx.x * kN, h = blockIdx.y, b = blockIdx.z;
   const int tid = threadIdx.x, wg = tid / 128, wg_tid = tid % 128, lane = tid % 32, g = lane / 4, t = lane % 4;
   const int row16 = (wg_tid / 32) * 16;  // this warp's 16 rows of every 64-row accumulator
+  const BwdParams p = seq_view(params, b);
+  if (j0 >= p.seqlen_k) return;  // varlen: past this sequence's keys
   const BwdHeadPtrs<Elem> hp = bwd_head_ptrs<Elem, kD, kM>(p, b, h);
 
   typename T::TiledMmaSdP mma_sdp;
@@ -129,7 +131,7 @@ __global__ void __launch_bounds__(T::kNThreads, 1) flash_bwd_sm90_split_d_kernel
   }
   cp_async_wait<0>();
 
-  cuda::write_dk_dv_tile<Elem, kDS>(p, b, h, hp.in.bh, j0 + row16, wg * kDS, dk, dv, lane);
+  cuda::write_dk_dv_tile<Elem, kDS>(p, b, h, j0 + row16, wg * kDS, dk, dv, lane);
 #endif
 }
 

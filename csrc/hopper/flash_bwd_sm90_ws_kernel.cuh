@@ -17,6 +17,7 @@
 
 #include "flash_bwd_sm90_common.cuh"
 #include "flash_bwd_sm90_traits.cuh"
+#include "tma_view.cuh"
 
 namespace flash::hopper {
 
@@ -45,7 +46,6 @@ __global__ void __launch_bounds__(T::kNThreads, 1) flash_bwd_sm90_ws_kernel(cons
   using Barrier = cutlass::arch::ClusterTransactionBarrier;
   using cutlass::arch::NamedBarrier;
   constexpr int kD = T::kHeadDim, kM = T::kBlockM, kN = T::kBlockN, kStages = T::kStages;
-  const BwdParams& p = args.p;
   extern __shared__ char smem_raw[];
   CElem* sq_ptr = aligned_smem<T::kSmemAlign, CElem>(smem_raw);
   CElem* sdo_ptr = sq_ptr + T::kSmemQ;
@@ -69,6 +69,8 @@ __global__ void __launch_bounds__(T::kNThreads, 1) flash_bwd_sm90_ws_kernel(cons
 
   const int n_block = blockIdx.x, j0 = n_block * kN, h = blockIdx.y, b = blockIdx.z;
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const BwdParams p = seq_view(args.p, b);
+  if (j0 >= p.seqlen_k) return;  // varlen: past this sequence's keys
   const BwdHeadPtrs<Elem> hp = bwd_head_ptrs<Elem, kD, kM>(p, b, h);
   if (tid == 0) {
     Barrier::init(kv_full, 1);
@@ -87,14 +89,14 @@ __global__ void __launch_bounds__(T::kNThreads, 1) flash_bwd_sm90_ws_kernel(cons
     if (warp == 0) {  // loads: one thread issues every copy
       if (lane != 0 || tiles.count == 0) return;
       const int hk = h / p.h_h_k_ratio;
-      Tensor mQ = args.tma_q.get_tma_tensor(make_shape(p.seqlen_q, p.d, p.h, p.b));
-      Tensor mdO = args.tma_do.get_tma_tensor(make_shape(p.seqlen_q, p.d, p.h, p.b));
-      Tensor mK = args.tma_k.get_tma_tensor(make_shape(p.seqlen_k, p.d, p.h_k, p.b));
-      Tensor mV = args.tma_v.get_tma_tensor(make_shape(p.seqlen_k, p.d, p.h_k, p.b));
-      Tensor gQ = local_tile(mQ(_, _, h, b), Shape<Int<kM>, Int<kD>>{}, make_coord(_, 0));  // (kM, kD, block)
-      Tensor gdO = local_tile(mdO(_, _, h, b), Shape<Int<kM>, Int<kD>>{}, make_coord(_, 0));
-      Tensor gK = local_tile(mK(_, _, hk, b), Shape<Int<kN>, Int<kD>>{}, make_coord(n_block, 0));
-      Tensor gV = local_tile(mV(_, _, hk, b), Shape<Int<kN>, Int<kD>>{}, make_coord(n_block, 0));
+      Tensor gQ = local_tile(tma_rows(args.tma_q, q_view(p), p.q_row0, h, b), Shape<Int<kM>, Int<kD>>{},
+                             make_coord(_, 0));  // (kM, kD, block)
+      Tensor gdO = local_tile(tma_rows(args.tma_do, do_view(p), p.q_row0, h, b), Shape<Int<kM>, Int<kD>>{},
+                              make_coord(_, 0));
+      Tensor gK = local_tile(tma_rows(args.tma_k, k_view(p), p.k_row0, hk, b), Shape<Int<kN>, Int<kD>>{},
+                             make_coord(n_block, 0));
+      Tensor gV = local_tile(tma_rows(args.tma_v, v_view(p), p.k_row0, hk, b), Shape<Int<kN>, Int<kD>>{},
+                             make_coord(n_block, 0));
       auto [tQg, tQs] = tma_partition(args.tma_q, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
       auto [tdOg, tdOs] =
           tma_partition(args.tma_do, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sdO), group_modes<0, 2>(gdO));
@@ -226,7 +228,7 @@ __global__ void __launch_bounds__(T::kNThreads, 1) flash_bwd_sm90_ws_kernel(cons
     NamedBarrier::arrive(T::kNConsumerThreads + 32, T::kBarDqFull);
   }
 
-  cuda::write_dk_dv_tile<Elem, kD>(p, b, h, hp.in.bh, j0 + key16, 0, dk, dv, lane);
+  cuda::write_dk_dv_tile<Elem, kD>(p, b, h, j0 + key16, 0, dk, dv, lane);
 #endif
 }
 

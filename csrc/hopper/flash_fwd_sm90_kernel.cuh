@@ -13,7 +13,7 @@ namespace flash::hopper {
 
 // kBlockSparse: whether a block mask may be set; without, the tile walk folds to counting.
 template <typename T, bool kBlockSparse>
-__global__ void __launch_bounds__(T::kNThreads, T::kMinBlocks) flash_fwd_sm90_kernel(const FwdParams p) {
+__global__ void __launch_bounds__(T::kNThreads, T::kMinBlocks) flash_fwd_sm90_kernel(const FwdParams params) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using namespace cute;
   using Elem = typename T::Elem;
@@ -34,6 +34,8 @@ __global__ void __launch_bounds__(T::kNThreads, T::kMinBlocks) flash_fwd_sm90_ke
   const int m0 = (gridDim.x - 1 - blockIdx.x) * kM, h = blockIdx.y, b = blockIdx.z;
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int i16 = m0 + warp * 16;  // this warp's 16 query rows (warpgroup w: rows 64 w ..)
+  const FwdParams p = seq_view(params, b);
+  if (m0 >= p.seqlen_q) return;  // varlen: past this sequence's rows
   const cuda::HeadPtrs<Elem> hp = cuda::head_ptrs<Elem>(p, b, h);
 
   typename T::TiledMmaS mma_s;
@@ -82,8 +84,7 @@ __global__ void __launch_bounds__(T::kNThreads, T::kMinBlocks) flash_fwd_sm90_ke
   }
   cp_async_wait<0>();
 
-  Elem* o = static_cast<Elem*>(p.o_ptr) + b * p.o_batch_stride + h * p.o_head_stride;
-  cuda::write_o_lse<Elem, kD>(p, o, hp.bh, i16 + lane / 4, acc, m, l, lane);
+  cuda::write_o_lse<Elem, kD>(p, b, h, i16 + lane / 4, acc, m, l, lane);
 #endif
 }
 

@@ -13,6 +13,7 @@
 
 #include "../cuda/flash_fwd_kernel.cuh"
 #include "flash_fwd_sm90_traits.cuh"
+#include "tma_view.cuh"
 
 namespace flash::hopper {
 
@@ -33,7 +34,6 @@ __global__ void __launch_bounds__(T::kNThreads, 1) flash_fwd_sm90_ws_kernel(cons
   using CElem = typename T::CElem;
   using Barrier = cutlass::arch::ClusterTransactionBarrier;
   constexpr int kD = T::kHeadDim, kM = T::kBlockM, kN = T::kBlockN, kStages = T::kStages;
-  const FwdParams& p = args.p;
   extern __shared__ char smem_raw[];
   CElem* sq_ptr = aligned_smem<T::kSmemAlign, CElem>(smem_raw);
   CElem* sk_ptr = sq_ptr + T::kSmemQ;
@@ -52,6 +52,8 @@ __global__ void __launch_bounds__(T::kNThreads, 1) flash_fwd_sm90_ws_kernel(cons
   const int m_block = gridDim.x - 1 - blockIdx.x, m0 = m_block * kM, h = blockIdx.y, b = blockIdx.z;
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   constexpr int kConsumerWarps = T::kNConsumerThreads / 32;
+  const FwdParams p = seq_view(args.p, b);
+  if (m0 >= p.seqlen_q) return;  // varlen: past this sequence's rows
   if (tid == 0) {
     Barrier::init(q_full, 1);
     for (int s = 0; s < kStages; ++s) {
@@ -70,12 +72,12 @@ __global__ void __launch_bounds__(T::kNThreads, 1) flash_fwd_sm90_ws_kernel(cons
     cutlass::arch::warpgroup_reg_dealloc<T::kProducerRegs>();
     if (warp != 0 || lane != 0 || tiles.count == 0) return;
     const int hk = h / p.h_h_k_ratio;
-    Tensor mQ = args.tma_q.get_tma_tensor(make_shape(p.seqlen_q, p.d, p.h, p.b));
-    Tensor mK = args.tma_k.get_tma_tensor(make_shape(p.seqlen_k, p.d, p.h_k, p.b));
-    Tensor mV = args.tma_v.get_tma_tensor(make_shape(p.seqlen_k, p.d, p.h_k, p.b));
-    Tensor gQ = local_tile(mQ(_, _, h, b), Shape<Int<kM>, Int<kD>>{}, make_coord(m_block, 0));
-    Tensor gK = local_tile(mK(_, _, hk, b), Shape<Int<kN>, Int<kD>>{}, make_coord(_, 0));  // (kN, kD, tile)
-    Tensor gV = local_tile(mV(_, _, hk, b), Shape<Int<kN>, Int<kD>>{}, make_coord(_, 0));
+    Tensor gQ = local_tile(tma_rows(args.tma_q, q_view(p), p.q_row0, h, b), Shape<Int<kM>, Int<kD>>{},
+                           make_coord(m_block, 0));
+    Tensor gK = local_tile(tma_rows(args.tma_k, k_view(p), p.k_row0, hk, b), Shape<Int<kN>, Int<kD>>{},
+                           make_coord(_, 0));  // (kN, kD, tile)
+    Tensor gV = local_tile(tma_rows(args.tma_v, v_view(p), p.k_row0, hk, b), Shape<Int<kN>, Int<kD>>{},
+                           make_coord(_, 0));
     auto [tQg, tQs] = tma_partition(args.tma_q, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
     auto [tKg, tKs] = tma_partition(args.tma_k, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
     auto [tVg, tVs] = tma_partition(args.tma_v, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sV), group_modes<0, 2>(gV));
@@ -159,8 +161,7 @@ __global__ void __launch_bounds__(T::kNThreads, 1) flash_fwd_sm90_ws_kernel(cons
     wgmma_gemm<false, 0>(mma_o, tOrP, tOrVt(_, _, _, last), tOrO);
   }
 
-  Elem* o = static_cast<Elem*>(p.o_ptr) + b * p.o_batch_stride + h * p.o_head_stride;
-  cuda::write_o_lse<Elem, kD>(p, o, uint32_t(b) * uint32_t(p.h) + uint32_t(h), i16 + lane / 4, acc, m, l, lane);
+  cuda::write_o_lse<Elem, kD>(p, b, h, i16 + lane / 4, acc, m, l, lane);
 #endif
 }
 

@@ -7,6 +7,7 @@
 #include <cstdint>
 
 #include "../flash_params.h"
+#include "../host_device.h"
 
 namespace flash::hopper {
 
@@ -34,18 +35,41 @@ struct TmaView {
   }
 };
 
-inline TmaView q_view(const FwdParams& p) {
-  return {p.q_ptr, p.seqlen_q, p.d, p.h, p.b, p.q_row_stride, p.q_head_stride, p.q_batch_stride};
+// Varlen: the packed tensor as one batch entry of total rows; each CTA offsets its coordinates
+// by its sequence's first row (tma_rows). TMA zero-fills rows past the tensor's end, and a
+// sequence's rows past its own end (the next sequence's) are masked or not stored by the kernels.
+FLASH_HOST_DEVICE TmaView q_view(const FwdParams& p) {
+  const bool packed = p.cu_seqlens_q != nullptr;
+  return {p.q_ptr, packed ? p.total_q : p.seqlen_q, p.d, p.h, packed ? 1 : p.b,
+          p.q_row_stride, p.q_head_stride, p.q_batch_stride};
 }
-inline TmaView k_view(const FwdParams& p) {
-  return {p.k_ptr, p.seqlen_k, p.d, p.h_k, p.b, p.k_row_stride, p.k_head_stride, p.k_batch_stride};
+FLASH_HOST_DEVICE TmaView k_view(const FwdParams& p) {
+  const bool packed = p.cu_seqlens_k != nullptr;
+  return {p.k_ptr, packed ? p.total_k : p.seqlen_k, p.d, p.h_k, packed ? 1 : p.b,
+          p.k_row_stride, p.k_head_stride, p.k_batch_stride};
 }
-inline TmaView v_view(const FwdParams& p) {
-  return {p.v_ptr, p.seqlen_k, p.d, p.h_k, p.b, p.v_row_stride, p.v_head_stride, p.v_batch_stride};
+// Another operand of the same shape as v's.
+FLASH_HOST_DEVICE TmaView same_shape(TmaView v, const void* ptr, int64_t row, int64_t head, int64_t bat) {
+  v.ptr = ptr;
+  v.row = row;
+  v.head = head;
+  v.bat = bat;
+  return v;
+}
+FLASH_HOST_DEVICE TmaView v_view(const FwdParams& p) {
+  return same_shape(k_view(p), p.v_ptr, p.v_row_stride, p.v_head_stride, p.v_batch_stride);
+}
+FLASH_HOST_DEVICE TmaView do_view(const BwdParams& p) {
+  return same_shape(q_view(p), p.do_ptr, p.do_row_stride, p.do_head_stride, p.do_batch_stride);
 }
 
-inline TmaView do_view(const BwdParams& p) {
-  return {p.do_ptr, p.seqlen_q, p.d, p.h, p.b, p.do_row_stride, p.do_head_stride, p.do_batch_stride};
+// The (rows, d) coordinates TMA copies of head h of batch entry b read, from row row0 on (a
+// seq_view's q_row0 / k_row0; 0 for padded batches). v: the view the descriptor was built from.
+template <typename Tma>
+__device__ __forceinline__ auto tma_rows(const Tma& tma, const TmaView& v, int row0, int h, int b) {
+  using namespace cute;
+  Tensor m = tma.get_tma_tensor(make_shape(v.seqlen, v.d, v.heads, v.batch));
+  return domain_offset(make_coord(row0, 0), m(_, _, h, v.batch == 1 ? 0 : b));
 }
 
 }  // namespace flash::hopper
