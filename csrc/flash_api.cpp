@@ -580,8 +580,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> mha_bwd(
     set_bwd_varlen_params(p, vl, packed);
     at::Tensor dq_accum;
     if (!deterministic) {
-      const cuda::DqAccumShape acc = cuda::dq_accum_shape(s.seqlen_q, d8);
-      dq_accum = at::empty({stat_entries, s.h, stat_rows, acc.row_stride}, f32);  // the D pre-pass zeroes it
+      dq_accum = at::empty({stat_entries, s.h, stat_rows, cuda::dq_accum_row_stride(d8)}, f32);  // the D pre-pass zeroes it
       p.dq_accum_ptr = dq_accum.data_ptr<float>();
     }
     p.rng_state_ptr = dropout_p > 0.0 ? rng.data_ptr<int64_t>() : nullptr;

@@ -106,11 +106,11 @@ struct BwdParams : FwdParams {
 
   // CUDA without GQA: dK/dV go straight to dk_ptr / dv_ptr (dk_accum_ptr == nullptr).
   // Otherwise float32 scratch the op layer allocates: per-query-head dK/dV before the GQA group sum,
-  // laid out (batch, h, seqlen_k, d) contiguous, and dQ partial sums, one per split of the key
+  // rows as kv_accum_batch_stride below lays them out, d floats each, and dQ partial sums, one per split of the key
   // blocks, laid out (batch, h, num_splits, seqlen_q, d) ((h, num_splits, total_q, d) with varlen)
   // and summed by the op layer. CUDA: when set
   // (not deterministic), one zeroed dQ accumulator the kernels add into atomically, laid out as
-  // cuda::dq_accum_shape() says.
+  // stat_batch_stride and cuda::dq_accum_row_stride() say.
   float* __restrict__ dk_accum_ptr = nullptr;
   float* __restrict__ dv_accum_ptr = nullptr;
   float* __restrict__ dq_accum_ptr = nullptr;

@@ -118,7 +118,7 @@ __global__ void __launch_bounds__(T::kNThreads, 1) flash_bwd_dkdv_kernel(const B
   const Elem* dout = rows_of<const Elem>(p.do_ptr, b, h, p.q_row0, p.do_batch_stride, p.do_row_stride, p.do_head_stride);
   const float* lse = lse_rows(p, b, h);
   const float* dsum = p.dsoftmax_sum_ptr + stat_row(p, b, h);
-  // dQ accumulator of this (batch, head): kD floats per row, as dq_accum_shape() lays it out.
+  // dQ accumulator of this (batch, head): kD floats per row, rows as stat_row() places them.
   float* dq_accum = T::kDoDQ ? p.dq_accum_ptr + stat_row(p, b, h) * kD : nullptr;
   const bool dropout = kDropout && p.p_dropout > 0.f;
   const DropoutState ds = dropout ? dropout_state_bwd(p) : DropoutState{};

@@ -57,7 +57,7 @@ __global__ void flash_bwd_dot_do_o_kernel(const BwdParams params) {
 }
 
 // dQ (batch, seqlen_q, h, d) in the input dtype from the float32 accumulator of the atomic mode
-// (layout of dq_accum_shape, columns as dq_accum_col places them), times softmax_scale; four
+// (rows as stat_row() places them, columns as dq_accum_col places them), times softmax_scale; four
 // elements per thread (d is a multiple of 8). Threads cover (batch, h, seqlen_q): with varlen,
 // the longest sequence's.
 template <typename Elem, int kHeadDim>

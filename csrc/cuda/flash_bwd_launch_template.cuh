@@ -46,10 +46,10 @@ void run_mha_bwd_(BwdParams& p, cudaStream_t stream) {
   const auto main_grid = [&](int block_n) { return dim3((p.seqlen_k + block_n - 1) / block_n, p.h, p.b); };
   const int smem = smem_per_block_optin();
   if (p.dq_accum_ptr != nullptr) {
-    // dQ by atomics into the zeroed accumulator of dq_accum_shape(): the sm90 kernel where it
+    // dQ by atomics into the zeroed accumulator (dq_accum_row_stride()): the sm90 kernel where it
     // applies, else the portable one where it fits; then the conversion.
     using T = BwdConfig<Elem, kHeadDim, true>;
-    static_assert(kDqAccumRowPad % T::kBlockM == 0, "dq_accum_shape() pads rows to the main kernel's query block");
+    static_assert(kDqAccumRowPad % T::kBlockM == 0, "padded_query_rows() pads rows to the main kernel's query block");
     bool ran = try_sm90_bwd<Elem, kHeadDim>(p, stream);
     if (!ran && T::kSmemBytes <= smem) {
       if (p.p_dropout > 0.f) launch<T>(&flash_bwd_dkdv_kernel<T, true>, main_grid(T::kBlockN), p, stream);

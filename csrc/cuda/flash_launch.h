@@ -18,18 +18,12 @@ using flash::kDqAccumRowPad;
 using flash::padded_query_rows;
 
 // The dQ accumulator: rows as BwdParams::stat_batch_stride lays them out (padded batches:
-// (batch, h, padded_query_rows(seqlen_q))), row_stride floats each: the kernel's head dim.
-struct DqAccumShape {
-  int64_t rows, row_stride;
-};
-inline DqAccumShape dq_accum_shape(int64_t seqlen_q, int64_t d) {
-  int64_t stride = d;
+// (batch, h, padded_query_rows(seqlen_q))), each dq_accum_row_stride(d) floats: the head dim of
+// the kernel that runs d.
+inline int64_t dq_accum_row_stride(int64_t d) {
   for (int hd : kHeadDims)
-    if (hd >= d) {
-      stride = hd;
-      break;
-    }
-  return DqAccumShape{padded_query_rows(seqlen_q), stride};
+    if (hd >= d) return hd;
+  return d;
 }
 
 // Where column `col` of accumulator row `row` lives when BwdParams::dq_accum_swizzled: groups of

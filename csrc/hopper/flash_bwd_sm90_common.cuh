@@ -9,7 +9,7 @@
 namespace flash::hopper {
 
 // The backward's inputs for one (batch, head) and that head's rows of the dQ accumulator (kD
-// columns, rows padded as dq_accum_shape() pads them). p: a seq_view.
+// columns, rows padded as padded_query_rows() pads them). p: a seq_view.
 template <typename Elem>
 struct BwdHeadPtrs {
   cuda::HeadPtrs<Elem> in;  // q, k, v and bh
