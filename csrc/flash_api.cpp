@@ -10,6 +10,7 @@
 #include <mutex>
 #include <optional>
 #include <tuple>
+#include <vector>
 
 #include "block_mask.h"
 #include "cpu/flash_cpu.h"
@@ -316,6 +317,118 @@ void set_block_mask(FwdParams& p, const BlockMask& m) {
   p.mask_k_blocks = int(m.layout->size(3));
 }
 
+// attn_bias, alibi_slopes and softcap (score_mod.h).
+struct ScoreMods {
+  const std::optional<at::Tensor>& bias;
+  const std::optional<at::Tensor>& alibi;
+  double softcap;
+  bool has_bias() const { return bias.has_value() && bias->defined(); }
+  bool has_alibi() const { return alibi.has_value() && alibi->defined(); }
+};
+
+void check_score_mods(const ScoreMods& m, const Shapes& s, const at::Tensor& q, bool varlen) {
+  TORCH_CHECK(std::isfinite(m.softcap) && m.softcap >= 0.0, "flash_attn: softcap must be >= 0 (0 = off), got ",
+              m.softcap);
+  if (m.has_bias()) {
+    const at::Tensor& b = *m.bias;
+    TORCH_CHECK(!varlen, "flash_attn: attn_bias cannot be combined with cu_seqlens (variable-length batches); "
+                "use a padded batch, or causal / window_size / alibi_slopes, which work with varlen");
+    TORCH_CHECK(b.scalar_type() == at::kBool || supported_dtype(b.scalar_type()),
+                "flash_attn: attn_bias must be bool (True = attend) or float16, bfloat16 or float32, got ",
+                b.scalar_type());
+    TORCH_CHECK(b.device() == q.device(), "flash_attn: attn_bias must be on the device of q (", q.device(), "), got ",
+                b.device());
+    const int64_t full[4] = {s.b, s.h, s.seqlen_q, s.seqlen_k};
+    bool ok = b.dim() <= 4;
+    for (int64_t i = 0; ok && i < b.dim(); ++i) {
+      const int64_t n = b.size(i), want = full[4 - b.dim() + i];
+      ok = n == 1 || n == want;
+    }
+    TORCH_CHECK(ok, "flash_attn: attn_bias must be broadcastable to (batch, nheads, seqlen_q, seqlen_k) = (", s.b,
+                ", ", s.h, ", ", s.seqlen_q, ", ", s.seqlen_k, "), got shape ", b.sizes());
+  }
+  if (m.has_alibi()) {
+    const at::Tensor& a = *m.alibi;
+    TORCH_CHECK(a.scalar_type() == at::kFloat, "flash_attn: alibi_slopes must be float32, got ", a.scalar_type());
+    TORCH_CHECK(a.device() == q.device(), "flash_attn: alibi_slopes must be on the device of q (", q.device(),
+                "), got ", a.device());
+    TORCH_CHECK((a.dim() == 1 && a.size(0) == s.h) || (a.dim() == 2 && (a.size(0) == s.b || a.size(0) == 1) &&
+                                                       a.size(1) == s.h),
+                "flash_attn: alibi_slopes must have shape (nheads,) = (", s.h, ",) or (batch, nheads) = (", s.b, ", ",
+                s.h, "), got ", a.sizes());
+  }
+}
+
+// The bias as the kernels read it: 4-D, in their element type (bool: 0 where True, -inf where
+// False), unit column stride (a bias broadcast over the keys is expanded along them).
+at::Tensor kernel_bias(const ScoreMods& m, const Shapes& s, at::ScalarType dtype) {
+  if (!m.has_bias()) return at::Tensor();
+  at::Tensor b = *m.bias;
+  while (b.dim() < 4) b = b.unsqueeze(0);
+  b = b.scalar_type() == at::kBool
+          ? at::zeros(b.sizes(), b.options().dtype(dtype)).masked_fill_(b.logical_not(), -INFINITY)
+          : b.to(dtype);
+  if (b.size(3) != s.seqlen_k || (b.stride(3) != 1 && s.seqlen_k > 1))
+    b = b.expand({b.size(0), b.size(1), b.size(2), s.seqlen_k}).contiguous();
+  return b;
+}
+
+// A 4-D tensor's stride along dim i, 0 where it is broadcast (size 1).
+int64_t bcast_stride(const at::Tensor& t, int64_t i) { return t.size(i) == 1 ? 0 : t.stride(i); }
+
+// bias: kernel_bias's result (or undefined).
+void set_score_mods(FwdParams& p, const at::Tensor& bias, const ScoreMods& m) {
+  if (bias.defined()) {
+    p.bias_ptr = bias.data_ptr();
+    p.bias_batch_stride = bcast_stride(bias, 0);
+    p.bias_head_stride = bcast_stride(bias, 1);
+    p.bias_row_stride = bcast_stride(bias, 2);
+  }
+  if (m.has_alibi()) {
+    p.alibi_slopes_ptr = m.alibi->data_ptr<float>();
+    p.alibi_batch_stride = m.alibi->dim() == 2 ? bcast_stride(*m.alibi, 0) : 0;
+    TORCH_CHECK(m.alibi->stride(-1) == 1, "flash_attn: alibi_slopes must be contiguous");
+  }
+  p.softcap = float(m.softcap);
+  p.score_mod = bias.defined() || m.has_alibi() || m.softcap > 0.0;
+}
+
+// The bias gradient's float32 buffer: the bias's own broadcast shape, which the kernels add into
+// atomically (CUDA, not deterministic), or the full (batch, nheads, seqlen_q, seqlen_k), where
+// each element is written once and the broadcast dims are summed afterwards (finish_dbias).
+struct DBias {
+  at::Tensor acc;
+  bool atomic = false;
+};
+
+DBias alloc_dbias(const at::Tensor& kbias, const Shapes& s, bool cuda, bool deterministic) {
+  const auto f32 = kbias.options().dtype(at::kFloat);
+  const bool full = kbias.size(0) == s.b && kbias.size(1) == s.h && kbias.size(2) == s.seqlen_q;
+  const bool atomic = cuda && !deterministic && !full;
+  return DBias{atomic ? at::zeros({kbias.size(0), kbias.size(1), kbias.size(2), s.seqlen_k}, f32)
+                      : at::zeros({s.b, s.h, s.seqlen_q, s.seqlen_k}, f32),
+               atomic};
+}
+
+void set_dbias(BwdParams& p, const DBias& d) {
+  p.dbias_ptr = d.acc.data_ptr<float>();
+  p.dbias_batch_stride = bcast_stride(d.acc, 0);
+  p.dbias_head_stride = bcast_stride(d.acc, 1);
+  p.dbias_row_stride = bcast_stride(d.acc, 2);
+  p.dbias_atomic = d.atomic;
+}
+
+// The gradient in the shape and dtype of the bias the caller passed.
+at::Tensor finish_dbias(const at::Tensor& acc, const at::Tensor& bias) {
+  at::Tensor b = bias;
+  while (b.dim() < 4) b = b.unsqueeze(0);
+  std::vector<int64_t> dims;
+  for (int64_t i = 0; i < 4; ++i)
+    if (b.size(i) == 1 && acc.size(i) != 1) dims.push_back(i);
+  const at::Tensor r = dims.empty() ? acc : acc.sum(dims, /*keepdim=*/true);
+  return r.reshape(bias.sizes()).to(bias.scalar_type());
+}
+
 // What the forward and backward check alike: operands (varlen ones as one packed batch entry),
 // shapes, scalars and the block mask.
 struct Call {
@@ -328,8 +441,8 @@ struct Call {
 double default_scale(std::optional<double> scale, int d) { return scale.value_or(1.0 / std::sqrt(double(d))); }
 
 Call check_call(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in, const Varlen& vl,
-                const BlockMask& mask, double dropout_p, std::optional<double> softmax_scale, int64_t window_left,
-                int64_t window_right) {
+                const BlockMask& mask, const ScoreMods& mods, double dropout_p, std::optional<double> softmax_scale,
+                int64_t window_left, int64_t window_right) {
   Call c;
   std::tie(c.q, c.k, c.v) = check_varlen(vl, q_in, k_in, v_in);
   c.packed = check_qkv(c.q, c.k, c.v);
@@ -339,6 +452,7 @@ Call check_call(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor
   TORCH_CHECK(!(vl.present() && mask.present()), "flash_attn: a block mask (block_layout) cannot be combined with "
               "cu_seqlens (variable-length batches)");
   check_block_mask(c.s, c.q, mask);
+  check_score_mods(mods, c.s, c.q, vl.present());
   return c;
 }
 
@@ -412,10 +526,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> mha_fwd(
     bool return_softmax, bool deterministic, const std::optional<at::Tensor>& block_layout,
     const std::optional<at::Tensor>& q_block_lists, const std::optional<at::Tensor>& k_block_lists,
     const std::optional<at::Tensor>& cu_seqlens_q, const std::optional<at::Tensor>& cu_seqlens_k, int64_t max_seqlen_q,
-    int64_t max_seqlen_k) {
+    int64_t max_seqlen_k, const std::optional<at::Tensor>& attn_bias, const std::optional<at::Tensor>& alibi_slopes,
+    double softcap) {
   const Varlen vl{cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k};
   const BlockMask mask{block_layout, q_block_lists, k_block_lists};
-  const Call c = check_call(q_in, k_in, v_in, vl, mask, dropout_p, softmax_scale, window_size_left, window_size_right);
+  const ScoreMods mods{attn_bias, alibi_slopes, softcap};
+  const Call c =
+      check_call(q_in, k_in, v_in, vl, mask, mods, dropout_p, softmax_scale, window_size_left, window_size_right);
   const at::Tensor &q = c.q, &k = c.k, &v = c.v;
   const Shapes &packed = c.packed, &s = c.s;
   const double scale = c.scale;
@@ -445,6 +562,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> mha_fwd(
     set_varlen_params(p, vl, packed.seqlen_q, packed.seqlen_k);
     p.d = int(d8);
     set_block_mask(p, mask);
+    const at::Tensor kbias = kernel_bias(mods, s, q.scalar_type());
+    set_score_mods(p, kbias, mods);
     p.p_ptr = return_softmax ? probs.data_ptr<float>() : nullptr;
     p.rng_state_ptr = rng_state.data_ptr<int64_t>();
     if (dropout_p > 0.0) set_cuda_philox(p);
@@ -461,6 +580,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> mha_fwd(
   set_fwd_params(p, s, qf, kf, vf, out_f, lse, dropout_p, scale, causal, window_size_left, window_size_right);
   set_varlen_params(p, vl, packed.seqlen_q, packed.seqlen_k);
   set_block_mask(p, mask);
+  const at::Tensor kbias = kernel_bias(mods, s, at::kFloat);
+  set_score_mods(p, kbias, mods);
   p.p_ptr = return_softmax ? probs.data_ptr<float>() : nullptr;
   if (dropout_p > 0.0) {
     p.philox_seed = draw_cpu_seed();
@@ -501,17 +622,22 @@ void check_bwd_inputs(const Shapes& s, const at::Tensor& q, const at::Tensor& do
   }
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> mha_bwd(
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> mha_bwd(
     const at::Tensor& dout_in, const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
     const at::Tensor& out_in, const at::Tensor& softmax_lse, double dropout_p, std::optional<double> softmax_scale,
     bool causal, int64_t window_size_left, int64_t window_size_right, bool deterministic,
     const std::optional<at::Tensor>& rng_state, const std::optional<at::Tensor>& block_layout,
     const std::optional<at::Tensor>& q_block_lists, const std::optional<at::Tensor>& k_block_lists,
     const std::optional<at::Tensor>& cu_seqlens_q, const std::optional<at::Tensor>& cu_seqlens_k, int64_t max_seqlen_q,
-    int64_t max_seqlen_k) {
+    int64_t max_seqlen_k, const std::optional<at::Tensor>& attn_bias, const std::optional<at::Tensor>& alibi_slopes,
+    double softcap, bool bias_requires_grad) {
   const Varlen vl{cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k};
   const BlockMask mask{block_layout, q_block_lists, k_block_lists};
-  const Call c = check_call(q_in, k_in, v_in, vl, mask, dropout_p, softmax_scale, window_size_left, window_size_right);
+  const ScoreMods mods{attn_bias, alibi_slopes, softcap};
+  const Call c =
+      check_call(q_in, k_in, v_in, vl, mask, mods, dropout_p, softmax_scale, window_size_left, window_size_right);
+  TORCH_CHECK(!bias_requires_grad || (mods.has_bias() && attn_bias->is_floating_point()),
+              "flash_attn: bias_requires_grad needs a floating-point attn_bias");
   const at::Tensor &q = c.q, &k = c.k, &v = c.v;
   const Shapes &packed = c.packed, &s = c.s;
   const double scale = c.scale;
@@ -584,11 +710,19 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> mha_bwd(
       p.dq_accum_ptr = dq_accum.data_ptr<float>();
     }
     p.rng_state_ptr = dropout_p > 0.0 ? rng.data_ptr<int64_t>() : nullptr;
+    const at::Tensor kbias = kernel_bias(mods, s, q.scalar_type());
+    set_score_mods(p, kbias, mods);
+    DBias dbias;
+    if (bias_requires_grad) {
+      dbias = alloc_dbias(kbias, s, /*cuda=*/true, deterministic);
+      set_dbias(p, dbias);
+    }
     if (s.seqlen_k == 0) dq.zero_();
     cuda::run_bwd(p, at::cuda::getCurrentCUDAStream().stream());
     const auto trim = [&](const at::Tensor& x) { return unpack(d8 == s.d ? x : x.narrow(3, 0, s.d).contiguous()); };
     if (dq_factor != 1.0) dq.mul_(dq_factor);
-    return {trim(dq), gqa ? unpack(group_sum(dk)) : trim(dk), gqa ? unpack(group_sum(dv)) : trim(dv)};
+    return {trim(dq), gqa ? unpack(group_sum(dk)) : trim(dk), gqa ? unpack(group_sum(dv)) : trim(dv),
+            bias_requires_grad ? finish_dbias(dbias.acc, *attn_bias) : at::empty({0}, q.options())};
   }
 #endif
 
@@ -617,9 +751,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> mha_bwd(
   p.dq_accum_ptr = dq_accum.data_ptr<float>();
   p.num_splits = splits;
   set_bwd_varlen_params(p, vl, packed);
+  const at::Tensor kbias = kernel_bias(mods, s, at::kFloat);
+  set_score_mods(p, kbias, mods);
+  DBias dbias;
+  if (bias_requires_grad) {
+    dbias = alloc_dbias(kbias, s, /*cuda=*/false, deterministic);
+    set_dbias(p, dbias);
+  }
   cpu::run_bwd(p);
   at::Tensor dq = (splits == 1 ? dq_accum.select(2, 0) : dq_accum.sum(2)).permute({0, 2, 1, 3});
-  return {unpack(dq.to(q.scalar_type()).contiguous()), unpack(group_sum(dk_accum)), unpack(group_sum(dv_accum))};
+  return {unpack(dq.to(q.scalar_type()).contiguous()), unpack(group_sum(dk_accum)), unpack(group_sum(dv_accum)),
+          bias_requires_grad ? finish_dbias(dbias.acc, *attn_bias) : at::empty({0}, q.options())};
 }
 
 }  // namespace
@@ -633,7 +775,8 @@ TORCH_LIBRARY(flash_attn, m) {
       "fwd(Tensor q, Tensor k, Tensor v, float dropout_p=0., float? softmax_scale=None, bool causal=False, "
       "int window_size_left=-1, int window_size_right=-1, bool return_softmax=False, bool deterministic=False, "
       "Tensor? block_layout=None, Tensor? q_block_lists=None, Tensor? k_block_lists=None, "
-      "Tensor? cu_seqlens_q=None, Tensor? cu_seqlens_k=None, int max_seqlen_q=0, int max_seqlen_k=0) "
+      "Tensor? cu_seqlens_q=None, Tensor? cu_seqlens_k=None, int max_seqlen_q=0, int max_seqlen_k=0, "
+      "Tensor? attn_bias=None, Tensor? alibi_slopes=None, float softcap=0.) "
       "-> (Tensor out, Tensor softmax_lse, Tensor S_dmask, Tensor rng_state)",
       {at::Tag::nondeterministic_seeded});
   m.def(
@@ -641,7 +784,8 @@ TORCH_LIBRARY(flash_attn, m) {
       "float? softmax_scale=None, bool causal=False, int window_size_left=-1, int window_size_right=-1, "
       "bool deterministic=False, Tensor? rng_state=None, Tensor? block_layout=None, Tensor? q_block_lists=None, "
       "Tensor? k_block_lists=None, Tensor? cu_seqlens_q=None, Tensor? cu_seqlens_k=None, int max_seqlen_q=0, "
-      "int max_seqlen_k=0) -> (Tensor dq, Tensor dk, Tensor dv)");
+      "int max_seqlen_k=0, Tensor? attn_bias=None, Tensor? alibi_slopes=None, float softcap=0., "
+      "bool bias_requires_grad=False) -> (Tensor dq, Tensor dk, Tensor dv, Tensor dbias)");
 }
 
 TORCH_LIBRARY_IMPL(flash_attn, CPU, m) {

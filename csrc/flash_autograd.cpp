@@ -21,11 +21,13 @@ using OptTensor = std::optional<at::Tensor>;
 using FwdResult = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
 using FwdSig = FwdResult(const at::Tensor&, const at::Tensor&, const at::Tensor&, double, std::optional<double>, bool,
                          int64_t, int64_t, bool, bool, const OptTensor&, const OptTensor&, const OptTensor&,
-                         const OptTensor&, const OptTensor&, int64_t, int64_t);
-using BwdSig = std::tuple<at::Tensor, at::Tensor, at::Tensor>(
+                         const OptTensor&, const OptTensor&, int64_t, int64_t, const OptTensor&, const OptTensor&,
+                         double);
+using BwdSig = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>(
     const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
     double, std::optional<double>, bool, int64_t, int64_t, bool, const OptTensor&, const OptTensor&, const OptTensor&,
-    const OptTensor&, const OptTensor&, const OptTensor&, int64_t, int64_t);
+    const OptTensor&, const OptTensor&, const OptTensor&, int64_t, int64_t, const OptTensor&, const OptTensor&, double,
+    bool);
 
 template <typename Sig>
 c10::TypedOperatorHandle<Sig> op_handle(const char* name) {
@@ -41,16 +43,25 @@ class FlashAttnFunction : public torch::autograd::Function<FlashAttnFunction> {
                                int64_t window_left, int64_t window_right, bool return_softmax, bool deterministic,
                                const OptTensor& block_layout, const OptTensor& q_block_lists,
                                const OptTensor& k_block_lists, const OptTensor& cu_seqlens_q,
-                               const OptTensor& cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k) {
+                               const OptTensor& cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k,
+                               const OptTensor& attn_bias, const OptTensor& alibi_slopes, double softcap) {
     static const auto fwd = op_handle<FwdSig>("flash_attn::fwd");
     at::AutoDispatchBelowADInplaceOrView below_autograd;
     auto [out, lse, probs, rng_state] =
         fwd.call(q, k, v, dropout_p, softmax_scale, causal, window_left, window_right, return_softmax, deterministic,
-                 block_layout, q_block_lists, k_block_lists, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k);
+                 block_layout, q_block_lists, k_block_lists, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                 attn_bias, alibi_slopes, softcap);
     // Absent optional tensors are saved as undefined tensors and come back as nullopt.
+    const OptTensor opt_before_bias[] = {block_layout, q_block_lists, k_block_lists, cu_seqlens_q, cu_seqlens_k};
     ctx->save_for_backward({q, k, v, out, lse, rng_state, block_layout.value_or(at::Tensor()),
                             q_block_lists.value_or(at::Tensor()), k_block_lists.value_or(at::Tensor()),
-                            cu_seqlens_q.value_or(at::Tensor()), cu_seqlens_k.value_or(at::Tensor())});
+                            cu_seqlens_q.value_or(at::Tensor()), cu_seqlens_k.value_or(at::Tensor()),
+                            attn_bias.value_or(at::Tensor()), alibi_slopes.value_or(at::Tensor())});
+    // The bias's gradient edge: edges exist for the tensor arguments that are present.
+    int64_t bias_edge = 3;
+    for (const OptTensor& t : opt_before_bias) bias_edge += t.has_value() && t->defined();
+    ctx->saved_data["bias_edge"] = bias_edge;
+    ctx->saved_data["softcap"] = softcap;
     ctx->saved_data["max_seqlen_q"] = max_seqlen_q;
     ctx->saved_data["max_seqlen_k"] = max_seqlen_k;
     ctx->saved_data["dropout_p"] = dropout_p;
@@ -66,7 +77,8 @@ class FlashAttnFunction : public torch::autograd::Function<FlashAttnFunction> {
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    constexpr int kNumInputs = 17;  // one gradient slot per forward argument
+    constexpr int kNumInputs = 20;  // one gradient slot per forward argument
+    constexpr int kBiasInput = 17;
     variable_list result(kNumInputs);
     const at::Tensor& dout = grads[0];
     if (!dout.defined()) return result;  // out does not reach the loss
@@ -78,15 +90,20 @@ class FlashAttnFunction : public torch::autograd::Function<FlashAttnFunction> {
     // The op wants a unit-stride last dim (a broadcast gradient can have stride 0 there).
     const at::Tensor dout_c = dout.sym_stride(-1) == 1 ? dout : dout.contiguous();
     const VarlenOffsetsChecked checked_by_forward;
-    auto [dq, dk, dv] = bwd.call(dout_c, saved[0], saved[1], saved[2], saved[3], saved[4], d.at("dropout_p").toDouble(),
+    const at::Tensor& bias = saved[11];
+    const bool bias_grad = bias.defined() && bias.is_floating_point() &&
+                           ctx->needs_input_grad(size_t(d.at("bias_edge").toInt()));
+    auto [dq, dk, dv, dbias] = bwd.call(dout_c, saved[0], saved[1], saved[2], saved[3], saved[4], d.at("dropout_p").toDouble(),
                                  softmax_scale, d.at("causal").toBool(), d.at("window_left").toInt(),
                                  d.at("window_right").toInt(), d.at("deterministic").toBool(), saved[5],
                                  optional_of(saved[6]), optional_of(saved[7]), optional_of(saved[8]),
                                  optional_of(saved[9]), optional_of(saved[10]), d.at("max_seqlen_q").toInt(),
-                                 d.at("max_seqlen_k").toInt());
+                                 d.at("max_seqlen_k").toInt(), optional_of(bias), optional_of(saved[12]),
+                                 d.at("softcap").toDouble(), bias_grad);
     result[0] = dq;
     result[1] = dk;
     result[2] = dv;
+    if (bias_grad) result[kBiasInput] = dbias;
     return result;
   }
 };
@@ -95,11 +112,12 @@ FwdResult fwd_autograd(const at::Tensor& q, const at::Tensor& k, const at::Tenso
                        std::optional<double> softmax_scale, bool causal, int64_t window_left, int64_t window_right,
                        bool return_softmax, bool deterministic, const OptTensor& block_layout,
                        const OptTensor& q_block_lists, const OptTensor& k_block_lists, const OptTensor& cu_seqlens_q,
-                       const OptTensor& cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k) {
+                       const OptTensor& cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k,
+                       const OptTensor& attn_bias, const OptTensor& alibi_slopes, double softcap) {
   const variable_list r =
       FlashAttnFunction::apply(q, k, v, dropout_p, softmax_scale, causal, window_left, window_right, return_softmax,
                                deterministic, block_layout, q_block_lists, k_block_lists, cu_seqlens_q, cu_seqlens_k,
-                               max_seqlen_q, max_seqlen_k);
+                               max_seqlen_q, max_seqlen_k, attn_bias, alibi_slopes, softcap);
   return {r[0], r[1], r[2], r[3]};
 }
 

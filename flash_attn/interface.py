@@ -5,19 +5,12 @@ with the sequences packed along the first dim. Validation happens in the C++ op 
 caller (Python, C++, torch.compile) goes through; this module only normalises arguments.
 """
 
-from typing import Optional, Tuple
+from typing import Tuple
 
 import torch
 
 from . import ops
 from .block_sparse import BlockSparseMask
-
-
-def _unsupported(softcap: float, alibi_slopes: Optional[torch.Tensor]) -> None:
-    if softcap != 0.0:
-        raise NotImplementedError("flash_attn: softcap is not supported yet (pass softcap=0.0)")
-    if alibi_slopes is not None:
-        raise NotImplementedError("flash_attn: alibi_slopes is not supported yet (pass alibi_slopes=None)")
 
 
 def _window(window_size: Tuple[int, int]) -> Tuple[int, int]:
@@ -41,12 +34,12 @@ def _block_mask_tensors(block_mask, q, k) -> tuple:
 
 
 def _attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-               deterministic, return_attn_probs, block_mask=None, varlen=None):
-    _unsupported(softcap, alibi_slopes)
+               deterministic, return_attn_probs, block_mask=None, varlen=None, attn_bias=None):
     left, right = _window(window_size)
     out, softmax_lse, s_dmask, _ = ops.fwd(q, k, v, float(dropout_p), softmax_scale, bool(causal), left, right,
                                            bool(return_attn_probs), bool(deterministic),
-                                           *_block_mask_tensors(block_mask, q, k), **(varlen or {}))
+                                           *_block_mask_tensors(block_mask, q, k), **(varlen or {}),
+                                           attn_bias=attn_bias, alibi_slopes=alibi_slopes, softcap=float(softcap))
     return (out, softmax_lse, s_dmask) if return_attn_probs else out
 
 
@@ -58,12 +51,19 @@ def _varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table=
 
 
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
-                    softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False):
+                    softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False, attn_bias=None):
     """Exact attention softmax(q k^T * softmax_scale) v.
 
     q: (batch, seqlen_q, nheads, headdim); k, v: (batch, seqlen_k, nheads_k, headdim) with nheads a
     multiple of nheads_k (MQA/GQA). causal masks bottom-right aligned (query i sees keys
     j <= i + seqlen_k - seqlen_q); window_size=(left, right) limits that to a band, -1 = unbounded.
+
+    Score terms (flash-attn 2.x's order): the scaled score x becomes softcap * tanh(x / softcap)
+    when softcap > 0; then alibi_slopes (float32, (nheads,) or (batch, nheads)) subtracts
+    slope * |i + seqlen_k - seqlen_q - j|; then attn_bias (not in flash-attn 2.x; SDPA's attn_mask)
+    is added: a tensor broadcastable to (batch, nheads, seqlen_q, seqlen_k), float (added; its
+    gradient is computed when it requires grad) or bool (True = attend). A row that can attend to
+    nothing gets output 0 and softmax_lse -inf.
 
     Returns out (batch, seqlen_q, nheads, headdim); with return_attn_probs=True also softmax_lse
     (batch, nheads, seqlen_q), float32, natural log, -inf for rows that see no key) and S_dmask
@@ -71,29 +71,32 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     dropout dropped the entry. S_dmask is for testing small sizes.
     """
     return _attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                      deterministic, return_attn_probs)
+                      deterministic, return_attn_probs, attn_bias=attn_bias)
 
 
 def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
-                              softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False):
+                              softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False,
+                              attn_bias=None):
     """flash_attn_func on qkv of shape (batch, seqlen, 3, nheads, headdim)."""
     if qkv.dim() != 5 or qkv.shape[2] != 3:
         raise ValueError(f"flash_attn: qkv must have shape (batch, seqlen, 3, nheads, headdim), got {tuple(qkv.shape)}")
     return _attention(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], dropout_p, softmax_scale, causal, window_size,
-                      softcap, alibi_slopes, deterministic, return_attn_probs)
+                      softcap, alibi_slopes, deterministic, return_attn_probs, attn_bias=attn_bias)
 
 
 def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
-                             softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False):
+                             softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False,
+                             attn_bias=None):
     """flash_attn_func on q (batch, seqlen_q, nheads, headdim) and kv (batch, seqlen_k, 2, nheads_k, headdim)."""
     if kv.dim() != 5 or kv.shape[2] != 2:
         raise ValueError(f"flash_attn: kv must have shape (batch, seqlen_k, 2, nheads_k, headdim), got {tuple(kv.shape)}")
     return _attention(q, kv[:, :, 0], kv[:, :, 1], dropout_p, softmax_scale, causal, window_size, softcap,
-                      alibi_slopes, deterministic, return_attn_probs)
+                      alibi_slopes, deterministic, return_attn_probs, attn_bias=attn_bias)
 
 
 def flash_attn_blocksparse_func(q, k, v, block_mask, dropout_p=0.0, softmax_scale=None, causal=False,
-                                window_size=(-1, -1), deterministic=False, return_attn_probs=False):
+                                window_size=(-1, -1), deterministic=False, return_attn_probs=False, softcap=0.0,
+                                alibi_slopes=None, attn_bias=None):
     """Block-sparse attention: flash_attn_func computed only on the (query block, key block) tiles
     that block_mask keeps; every other tile is skipped, forward and backward.
 
@@ -102,12 +105,12 @@ def flash_attn_blocksparse_func(q, k, v, block_mask, dropout_p=0.0, softmax_scal
     1,] ceil(seqlen_q / 128), ceil(seqlen_k / 128)). The result equals dense attention with the
     element-wise mask that expands each kept block (and causal / window_size on top); a query row
     with no kept key gets output 0 and softmax_lse -inf. Other arguments and the return values are
-    flash_attn_func's.
+    flash_attn_func's (softcap, alibi_slopes and attn_bias too).
     """
     if block_mask is None:
         raise TypeError("flash_attn: block_mask is required (use flash_attn_func for dense attention)")
-    return _attention(q, k, v, dropout_p, softmax_scale, causal, window_size, 0.0, None, deterministic,
-                      return_attn_probs, block_mask)
+    return _attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
+                      return_attn_probs, block_mask, attn_bias=attn_bias)
 
 
 def flash_attn_blocksparse_qkvpacked_func(qkv, block_mask, dropout_p=0.0, softmax_scale=None, causal=False,

@@ -16,7 +16,7 @@ fwd = torch.ops.flash_attn.fwd.default
 def _fwd_fake(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size_left=-1,
               window_size_right=-1, return_softmax=False, deterministic=False, block_layout=None,
               q_block_lists=None, k_block_lists=None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=0,
-              max_seqlen_k=0):
+              max_seqlen_k=0, attn_bias=None, alibi_slopes=None, softcap=0.0):
     out = q.new_empty(q.shape)
     if cu_seqlens_q is not None:  # packed (total, h, d): lse (h, total_q), probs at the longest lengths
         b, (total_q, h, _) = cu_seqlens_q.shape[0] - 1, q.shape
@@ -35,5 +35,6 @@ def _fwd_fake(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_s
 def _bwd_fake(dout, q, k, v, out, softmax_lse, dropout_p=0.0, softmax_scale=None, causal=False,
               window_size_left=-1, window_size_right=-1, deterministic=False, rng_state=None, block_layout=None,
               q_block_lists=None, k_block_lists=None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=0,
-              max_seqlen_k=0):
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+              max_seqlen_k=0, attn_bias=None, alibi_slopes=None, softcap=0.0, bias_requires_grad=False):
+    dbias = attn_bias.new_empty(attn_bias.shape) if bias_requires_grad else q.new_empty((0,))
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dbias

@@ -2,9 +2,10 @@
 on a Hopper GPU the sm90 kernels (the warp-specialized TMA ones and, at head dims 64 and 128, with
 FLASH_ATTN_SM90_FWD_SYNC=1, the cp.async forward) and (FLASH_ATTN_DISABLE_SM90=1) the portable ones;
 dense,
-block-sparse (a random 128 x 128 layout with an empty query block) and varlen (packed sequences of
-lengths 0 to 200, the last one ending at the tensor's end), atomic and deterministic dQ.
-Usage: sanitize_kernels.py [all|dense|blocksparse|varlen] (racecheck of "all" takes several minutes)."""
+block-sparse (a random 128 x 128 layout with an empty query block), varlen (packed sequences of
+lengths 0 to 200, the last one ending at the tensor's end) and score modifiers (a broadcast bias
+with its gradient, ALiBi, softcap), atomic and deterministic dQ.
+Usage: sanitize_kernels.py [all|dense|blocksparse|varlen|mods] (racecheck of "all" takes several minutes)."""
 
 import os
 import sys
@@ -38,6 +39,15 @@ for portable, sync in (("0", "0"), ("0", "1"), ("1", "0")):
                                                        dropout_p=dropout_p, causal=causal,
                                                        deterministic=deterministic, return_attn_probs=True)
                     out.sum().backward()
+                for deterministic in (False, True) if which in ("all", "mods") else ():
+                    q, k, v = [torch.randn(2, s, 2, d, device="cuda", dtype=dtype, requires_grad=True)
+                               for s in (130, 200, 200)]
+                    for shape in ((2, 2, 130, 200), (2, 1, 1, 200)):
+                        bias = torch.randn(shape, device="cuda", dtype=dtype, requires_grad=True)
+                        out, _, _ = flash_attn_func(q, k, v, dropout_p=dropout_p, causal=causal, softcap=5.0,
+                                                    alibi_slopes=torch.rand(2, device="cuda"), attn_bias=bias,
+                                                    deterministic=deterministic, return_attn_probs=True)
+                        out.sum().backward()
                 q, k, v = [torch.randn(1, 300, 2, d, device="cuda", dtype=dtype, requires_grad=True) for _ in range(3)]
                 for deterministic in (False, True) if which in ("all", "blocksparse") else ():
                     out, _, _ = flash_attn_blocksparse_func(q, k, v, mask, dropout_p=dropout_p, causal=causal,

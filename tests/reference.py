@@ -27,13 +27,23 @@ def visible_mask(seqlen_q, seqlen_k, causal=False, window_size=(-1, -1), device=
     return ok
 
 
+def alibi_bias(slopes, seqlen_q, seqlen_k, device="cpu"):
+    """ALiBi as an additive bias: -slope * |i + seqlen_k - seqlen_q - j|, (batch or 1, heads, sq, sk)."""
+    i = torch.arange(seqlen_q, device=device)[:, None]
+    j = torch.arange(seqlen_k, device=device)[None, :]
+    dist = (i + seqlen_k - seqlen_q - j).abs().double()
+    slopes = slopes.double().reshape(-1 if slopes.dim() == 2 else 1, slopes.shape[-1])
+    return -slopes[:, :, None, None] * dist
+
+
 def attention_ref(q, k, v, causal=False, window_size=(-1, -1), softmax_scale=None, dropout_p=0.0,
-                  keep_mask=None, upcast=True, attn_mask=None):
+                  keep_mask=None, upcast=True, attn_mask=None, attn_bias=None, alibi_slopes=None, softcap=0.0):
     """Standard attention on (batch, seqlen, heads, dim) tensors; upcast=True computes in float64.
 
     keep_mask: (batch, heads, seqlen_q, seqlen_k) bool, the dropout pattern to apply.
     attn_mask: bool broadcastable to (batch, heads, seqlen_q, seqlen_k), True = may attend (on top
-    of causal / window_size).
+    of causal / window_size). attn_bias: float (added to the scores) or bool (as attn_mask).
+    softcap > 0 caps the scaled scores to softcap * tanh(x / softcap) before ALiBi and the bias.
     Returns (out, probs) with probs the softmax before dropout; rows that see nothing give 0.
     """
     dtype = q.dtype
@@ -44,6 +54,14 @@ def attention_ref(q, k, v, causal=False, window_size=(-1, -1), softmax_scale=Non
     v = v.repeat_interleave(h // h_k, dim=2)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     scores = torch.einsum("bihd,bjhd->bhij", q * scale, k)
+    if softcap > 0:
+        scores = softcap * torch.tanh(scores / softcap)
+    if alibi_slopes is not None:
+        scores = scores + alibi_bias(alibi_slopes, q.shape[1], k.shape[1], q.device).to(scores.dtype)
+    if attn_bias is not None and attn_bias.dtype == torch.bool:
+        attn_mask = attn_bias if attn_mask is None else attn_mask & attn_bias
+    elif attn_bias is not None:
+        scores = scores + (attn_bias.double() if upcast else attn_bias.to(scores.dtype))
     ok = visible_mask(q.shape[1], k.shape[1], causal, window_size, q.device)
     if attn_mask is not None:
         ok = ok & attn_mask.to(ok.device)

@@ -13,6 +13,7 @@
 #include "dropout_tile.h"
 #include "flash_cpu.h"
 #include "row_ops.h"
+#include "score_mod_row.h"
 #include "tile_geometry.h"
 
 namespace flash::cpu {
@@ -22,6 +23,7 @@ constexpr int kBlockM = 64;   // query rows per tile
 constexpr int kBlockN = 128;  // keys per block
 static_assert(kMaskBlock % kBlockM == 0 && kMaskBlock == kBlockN, "a tile lies in one mask block");
 constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kInf = std::numeric_limits<float>::infinity();
 
 struct HeadGrads {
   const float *q, *k, *v, *o, *dout, *lse;
@@ -49,11 +51,12 @@ HeadGrads head_grads(const BwdParams& p, int b, int h) {
 }
 
 struct Scratch {
-  std::vector<float> rowsum_do_o, p, dp, dk, dv;
+  std::vector<float> rowsum_do_o, p, dp, dk, dv, dcap;
   std::vector<uint8_t> keep;
   Scratch(const BwdParams& prm)
       : rowsum_do_o(prm.seqlen_q), p(kBlockM * kBlockN),
         dp(kBlockM * kBlockN), dk(kBlockN * prm.d), dv(kBlockN * prm.d),
+        dcap(prm.softcap > 0.f ? kBlockM * kBlockN : 0),
         keep(prm.p_dropout > 0.f ? kBlockM * kBlockN : 0) {}
 };
 
@@ -65,6 +68,8 @@ void tile_step(const BwdParams& p, const HeadGrads& g, int i0, int rows, int j0,
   float* dP = w.dp.data();
   const float* q_i = g.q + i0 * p.q_row_stride;
   const float* do_i = g.dout + i0 * p.do_row_stride;
+  const ScoreModHead<float> mod(p, g.b, g.h);
+  float* dcap = w.dcap.empty() ? nullptr : w.dcap.data();
 
   gemm_rowmajor(false, true, rows, cols, d, 1.f, q_i, p.q_row_stride, g.k + j0 * p.k_row_stride,
                 p.k_row_stride, 0.f, P, kBlockN);
@@ -73,9 +78,11 @@ void tile_step(const BwdParams& p, const HeadGrads& g, int i0, int rows, int j0,
                       p.philox_offset, p.dropout_threshold16);
   for (int r = 0; r < rows; ++r) {
     float* prow = P + r * kBlockN;
-    const ColRange c = clip_to_tile(row_cols(p, i0 + r), j0, cols);
-    if (c.hi > c.lo)
-      exp2_rescale_sum(prow + c.lo, c.hi - c.lo, p.scale_softmax_log2, g.lse[i0 + r] * kLog2e);
+    const float lse = g.lse[i0 + r];
+    ColRange c = clip_to_tile(row_cols(p, i0 + r), j0, cols);
+    if (lse == -kInf) c.hi = c.lo;  // the row attends to nothing (a bias of -inf on every key)
+    const float scale = modify_row(p, mod, prow, i0 + r, j0, c, cols, dcap ? dcap + r * kBlockN : nullptr);
+    if (c.hi > c.lo) exp2_rescale_sum(prow + c.lo, c.hi - c.lo, scale, lse * kLog2e);
     fill_row(prow, c.lo, 0.f);
     fill_row(prow + c.hi, cols - c.hi, 0.f);
     if (dropout) apply_keep(dP + r * kBlockN, prow, w.keep.data() + r * kBlockN, cols, p.rp_dropout);
@@ -89,7 +96,11 @@ void tile_step(const BwdParams& p, const HeadGrads& g, int i0, int rows, int j0,
   for (int r = 0; r < rows; ++r) {
     float* dprow = dP + r * kBlockN;
     if (dropout) apply_keep(dprow, dprow, w.keep.data() + r * kBlockN, cols, p.rp_dropout);
-    softmax_grad_row(P + r * kBlockN, dprow, cols, w.rowsum_do_o[i0 + r]);  // P becomes dS
+    float* ds = P + r * kBlockN;
+    softmax_grad_row(ds, dprow, cols, w.rowsum_do_o[i0 + r]);  // P becomes dS = dL/dscore
+    if (p.dbias_ptr != nullptr) std::copy(ds, ds + cols, dbias_at(p, g.b, g.h, i0 + r, j0));
+    if (dcap != nullptr)  // through the cap: dL/d(scale q.k)
+      for (int col = 0; col < cols; ++col) ds[col] *= dcap[r * kBlockN + col];
   }
   // dK_j += scale * dS^T Q_i ; dQ_i += scale * dS K_j
   gemm_rowmajor(true, false, cols, d, rows, p.scale_softmax, P, kBlockN, q_i, p.q_row_stride, 1.f,

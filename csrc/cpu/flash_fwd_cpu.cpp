@@ -12,6 +12,7 @@
 #include "dropout_tile.h"
 #include "flash_cpu.h"
 #include "row_ops.h"
+#include "score_mod_row.h"
 #include "tile_geometry.h"
 
 namespace flash::cpu {
@@ -20,6 +21,7 @@ namespace {
 constexpr int kBlockM = 256;  // query rows per task (kMaskBlock with a block mask)
 constexpr int kBlockN = 512;  // keys per tile (kMaskBlock with a block mask)
 constexpr float kLn2 = 0.6931471805599453f;
+constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kInf = std::numeric_limits<float>::infinity();
 
 struct HeadView {
@@ -92,6 +94,7 @@ void query_block(const FwdParams& p, const HeadView& hv, int i0, Scratch& w) {
   std::fill(w.acc.begin(), w.acc.end(), 0.f);
   std::fill(w.m.begin(), w.m.end(), -kInf);
   std::fill(w.l.begin(), w.l.end(), 0.f);
+  const ScoreModHead<float> mod(p, hv.b, hv.h);
 
   for_each_key_tile(p, hv, i0, rows, [&](int j0, int cols) {
     score_tile(p, hv, i0, rows, j0, cols, w);
@@ -102,9 +105,14 @@ void query_block(const FwdParams& p, const HeadView& hv, int i0, Scratch& w) {
         fill_row(srow, cols, 0.f);
         continue;
       }
-      const float m_new = std::max(w.m[r], row_max(srow + c.lo, c.hi - c.lo) * p.scale_softmax_log2);
+      const float scale = modify_row(p, mod, srow, i0 + r, j0, c, cols);
+      const float m_new = std::max(w.m[r], row_max(srow + c.lo, c.hi - c.lo) * scale);
+      if (m_new == -kInf) {  // a bias of -inf everywhere so far: still nothing to attend to
+        fill_row(srow, cols, 0.f);
+        continue;
+      }
       const float alpha = std::exp2(w.m[r] - m_new);  // 0 when the row had no max yet
-      const float sum = exp2_rescale_sum(srow + c.lo, c.hi - c.lo, p.scale_softmax_log2, m_new);
+      const float sum = exp2_rescale_sum(srow + c.lo, c.hi - c.lo, scale, m_new);
       fill_row(srow, c.lo, 0.f);
       fill_row(srow + c.hi, cols - c.hi, 0.f);
       w.l[r] = w.l[r] * alpha + sum;
@@ -130,7 +138,7 @@ void query_block(const FwdParams& p, const HeadView& hv, int i0, Scratch& w) {
 void write_probs(const FwdParams& p, const HeadView& hv, int i0, Scratch& w) {
   const int rows = std::min(query_block_rows(p), p.seqlen_q - i0);
   const bool dropout = p.p_dropout > 0.f;
-  constexpr float kLog2e = 1.4426950408889634f;
+  const ScoreModHead<float> mod(p, hv.b, hv.h);
   for (int j0 = 0; j0 < p.seqlen_k; j0 += kBlockN) {
     const int cols = std::min(kBlockN, p.seqlen_k - j0);
     score_tile(p, hv, i0, rows, j0, cols, w);
@@ -138,10 +146,12 @@ void write_probs(const FwdParams& p, const HeadView& hv, int i0, Scratch& w) {
       float* srow = w.s.data() + r * kBlockN;
       float* dst = hv.probs + (i0 + r) * p.p_row_stride + j0;
       const ColRange c = clip_to_tile(row_cols(p, i0 + r), j0, cols);
-      const float shift = hv.lse[i0 + r] * kLog2e;
+      const float lse = hv.lse[i0 + r], shift = lse * kLog2e;
+      const float scale = modify_row(p, mod, srow, i0 + r, j0, c, cols);
       for (int col = 0; col < cols; ++col) {
         const bool kept = block_kept(p, hv.b, hv.h, (i0 + r) / kMaskBlock, (j0 + col) / kMaskBlock);
-        float prob = (kept && col >= c.lo && col < c.hi) ? std::exp2(srow[col] * p.scale_softmax_log2 - shift) : 0.f;
+        const bool seen = kept && col >= c.lo && col < c.hi && lse != -kInf;
+        float prob = seen ? std::exp2(srow[col] * scale - shift) : 0.f;
         if (dropout && !w.keep[r * kBlockN + col]) prob = -prob;  // dropped: stored negated
         dst[col] = prob;
       }

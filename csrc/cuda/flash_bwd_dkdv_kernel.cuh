@@ -52,6 +52,15 @@ __device__ __forceinline__ void store_acc_smem(Elem* s, const float (&acc)[kMT][
             pack2<Elem>(acc[mt][nt][2 * hr], acc[mt][nt][2 * hr + 1]);
 }
 
+// Element (row, col) of head (b, h) of the bias gradient (score_mod.h), dS before the cap's
+// derivative; rows and keys past the sequence are skipped.
+__device__ __forceinline__ void write_dbias(const BwdParams& p, int b, int h, int row, int col, float ds) {
+  if (row >= p.seqlen_q || col >= p.seqlen_k) return;
+  float* dst = dbias_at(p, b, h, row, col);
+  if (p.dbias_atomic) atomicAdd(dst, ds);
+  else *dst = ds;
+}
+
 // dst[0..1] += (x, y) in global memory.
 __device__ __forceinline__ void atomic_add2(float* dst, float x, float y) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -122,6 +131,7 @@ __global__ void __launch_bounds__(T::kNThreads, 1) flash_bwd_dkdv_kernel(const B
   float* dq_accum = T::kDoDQ ? p.dq_accum_ptr + stat_row(p, b, h) * kD : nullptr;
   const bool dropout = kDropout && p.p_dropout > 0.f;
   const DropoutState ds = dropout ? dropout_state_bwd(p) : DropoutState{};
+  const ScoreModHead<Elem> mod(p, b, h);
 
   // This warp's place in each GEMM's warp grid (rows and columns relative to the block).
   const int s_m0 = (warp % T::kWarpsMS) * kMTS * 16, s_n0 = (warp / T::kWarpsMS) * kNS;
@@ -204,14 +214,19 @@ __global__ void __launch_bounds__(T::kNThreads, 1) flash_bwd_dkdv_kernel(const B
           for (int r = 0; r < 4; ++r) {
             float& sv = s[mt][2 * c + hh][r];
             float& dsv = dp[mt][2 * c + hh][r];
-            const float pv = fast_exp2(fmaf(sv, p.scale_softmax_log2, -lse2[mt][r >> 1]));
+            const int row = i0 + s_m0 + mt * 16 + g + 8 * (r >> 1), col = j0 + s_n0 + (2 * c + hh) * 8 + 2 * t + (r & 1);
+            float dcap = 1.f;
+            const float pv = p.score_mod ? fast_exp2(score_log2(p, mod, row, col, sv, dcap) - lse2[mt][r >> 1])
+                                         : fast_exp2(fmaf(sv, p.scale_softmax_log2, -lse2[mt][r >> 1]));
             if (dropout) {
               dsv = keep[hh][r] ? pv * (dsv * p.rp_dropout - dsm[mt][r >> 1]) : -pv * dsm[mt][r >> 1];
               sv = keep[hh][r] ? pv * p.rp_dropout : 0.f;  // P with dropout applied
             } else {
-              dsv = pv * (dsv - dsm[mt][r >> 1]);  // dS / softmax_scale
+              dsv = pv * (dsv - dsm[mt][r >> 1]);  // dS / softmax_scale = dL/dscore
               sv = pv;
             }
+            if (p.dbias_ptr != nullptr) write_dbias(p, b, h, row, col, dsv);
+            dsv *= dcap;
           }
       }
     }

@@ -102,6 +102,7 @@ __global__ void __launch_bounds__(T::kNThreads) flash_bwd_dq_kernel(const BwdPar
   const float* dsum_h = p.dsoftmax_sum_ptr + stat_row(p, b, h);
   const bool dropout = p.p_dropout > 0.f;
   const DropoutState ds = dropout ? dropout_state_bwd(p) : DropoutState{};
+  const ScoreModHead<Elem> mod(p, b, h);
   const int warp_row = warp * 16 * kMT;  // first query of this warp, relative to m0
   float lse2[kMT][2], dsum[kMT][2];
 #pragma unroll
@@ -138,7 +139,6 @@ __global__ void __launch_bounds__(T::kNThreads) flash_bwd_dq_kernel(const BwdPar
     uint32_t a[kMT][kN / 16][4];
 #pragma unroll
     for (int mt = 0; mt < kMT; ++mt) {
-      scale_acc<kN>(s[mt], p.scale_softmax_log2);
       if (masked) mask_tile_qmajor<kN>(s[mt], p, m0 + warp_row + mt * 16, j0, lane);
 #pragma unroll
       for (int c = 0; c < kN / 16; ++c) {
@@ -148,11 +148,14 @@ __global__ void __launch_bounds__(T::kNThreads) flash_bwd_dq_kernel(const BwdPar
         for (int hh = 0; hh < 2; ++hh)
 #pragma unroll
           for (int r = 0; r < 4; ++r) {
-            const float sv = s[mt][2 * c + hh][r];
+            const int row = m0 + warp_row + mt * 16 + g + 8 * (r >> 1);
+            const int col = j0 + (2 * c + hh) * 8 + 2 * (lane % 4) + (r & 1);
+            float dcap;
+            const float sv = score_log2(p, mod, row, col, s[mt][2 * c + hh][r], dcap);
             const float pv = sv == kNegInf ? 0.f : fast_exp2(sv - lse2[mt][r >> 1]);
             float x = dp[mt][2 * c + hh][r];
             if (dropout) x = keep[hh][r] ? x * p.rp_dropout : 0.f;
-            dp[mt][2 * c + hh][r] = pv * (x - dsum[mt][r >> 1]) * p.scale_softmax;  // dS
+            dp[mt][2 * c + hh][r] = pv * (x - dsum[mt][r >> 1]) * p.scale_softmax * dcap;  // dS
           }
       }
       acc_to_a<Elem, kN>(a[mt], dp[mt]);

@@ -13,9 +13,6 @@
 
 namespace flash::cuda {
 
-constexpr float kLn2 = 0.6931471805599453f;
-constexpr float kLog2e = 1.4426950408889634f;
-
 template <typename Elem>
 struct HeadPtrs {
   const Elem *q, *k, *v;
@@ -164,6 +161,9 @@ __global__ void __launch_bounds__(T::kNThreads) flash_fwd_kernel(const FwdParams
     float s[kMT][kN / 8][4];
     zero<kN>(s);
     gemm_ss<Elem, kMT, kN, kD, kS>(s, sQ + warp_row * kS, sKc, lane);
+    float scale_log2 = p.scale_softmax_log2;
+#pragma unroll
+    for (int mt = 0; mt < kMT; ++mt) scale_log2 = prepare_scores_qmajor<kN, Elem>(s[mt], p, b, h, m0 + warp_row + mt * 16, j0, lane);
     const bool masked = !tile_fully_visible(p, m0, m0 + kM, j0, j0 + kN);
     if (masked)
 #pragma unroll
@@ -181,7 +181,7 @@ __global__ void __launch_bounds__(T::kNThreads) flash_fwd_kernel(const FwdParams
     uint32_t a[kMT][kN / 16][4];
 #pragma unroll
     for (int mt = 0; mt < kMT; ++mt) {
-      online_softmax<kN, kD>(s[mt], acc[mt], m[mt], l[mt], p.scale_softmax_log2);
+      online_softmax<kN, kD>(s[mt], acc[mt], m[mt], l[mt], scale_log2);
       if (dropout) dropout_qmajor<kN>(s[mt], ds, hp.bh, m0 + warp_row + mt * 16, j0, lane);
       acc_to_a<Elem, kN>(a[mt], s[mt]);
     }
@@ -232,7 +232,8 @@ __global__ void __launch_bounds__(T::kNThreads) flash_fwd_probs_kernel(const Fwd
     float s[kN / 8][4];
     zero<kN>(s);
     gemm_ss<Elem, kN, kD, kS>(s, sQ + (i16 - m0) * kS, sK, lane);
-    scale_acc<kN>(s, p.scale_softmax_log2);
+    if (p.score_mod) modify_scores_qmajor<kN, Elem>(s, p, b, h, i16, j0, lane);
+    else scale_acc<kN>(s, p.scale_softmax_log2);
     mask_qmajor<kN>(s, j0, rows, lane);
     bool keep[kN / 16][2][4];
 #pragma unroll

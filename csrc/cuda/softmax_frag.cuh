@@ -5,11 +5,14 @@
 #include <cmath>
 
 #include "../mask.h"
+#include "../score_mod.h"
 #include "warp_tiles.cuh"
 
 namespace flash::cuda {
 
 constexpr float kNegInf = -INFINITY;
+constexpr float kLn2 = 0.6931471805599453f;
+constexpr float kLog2e = 1.4426950408889634f;
 
 __device__ __forceinline__ float fast_exp2(float x) {
   float y;
@@ -63,6 +66,42 @@ __device__ __forceinline__ void mask_tile_qmajor(float (&s)[kN / 8][4], const Fw
                    : ColRange{0, 0};
   }
   mask_qmajor<kN>(s, j0, rows, lane);
+}
+
+// The score modifiers (score_mod.h) on a query-major (16 x kN) tile of raw scores at rows i16..,
+// keys j0.. of head (b, h): the modified scores in log2 units, ready for a softmax with scale 1.
+// Entries past seqlen_q / seqlen_k are only scaled (they are masked or never stored). p: a seq_view.
+template <int kN, typename Bias>
+__device__ __forceinline__ void modify_scores_qmajor(float (&s)[kN / 8][4], const FwdParams& p, int b, int h, int i16,
+                                                     int j0, int lane) {
+  const ScoreModHead<Bias> mod(p, b, h);
+#pragma unroll
+  for (int n = 0; n < kN / 8; ++n)
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      const int row = i16 + lane / 4 + 8 * (r >> 1), col = j0 + n * 8 + 2 * (lane % 4) + (r & 1);
+      s[n][r] = row < p.seqlen_q && col < p.seqlen_k ? mod(row, col, s[n][r]) * kLog2e : s[n][r] * p.scale_softmax_log2;
+    }
+}
+
+// Scores in log2 units for a softmax with scale 1 where the call has score modifiers; returns the
+// scale the softmax applies (scale_softmax_log2 without modifiers, the tile left raw).
+template <int kN, typename Bias>
+__device__ __forceinline__ float prepare_scores_qmajor(float (&s)[kN / 8][4], const FwdParams& p, int b, int h,
+                                                       int i16, int j0, int lane) {
+  if (!p.score_mod) return p.scale_softmax_log2;
+  modify_scores_qmajor<kN, Bias>(s, p, b, h, i16, j0, lane);
+  return 1.f;
+}
+
+// Element (row, col)'s score in log2 units from its raw score sv (-inf where masked), with dcap
+// the cap's derivative (score_mod.h); without modifiers sv * scale_softmax_log2.
+template <typename Bias>
+__device__ __forceinline__ float score_log2(const FwdParams& p, const ScoreModHead<Bias>& mod, int row, int col,
+                                            float sv, float& dcap) {
+  dcap = 1.f;
+  if (!p.score_mod) return sv * p.scale_softmax_log2;
+  return sv == kNegInf ? kNegInf : mod(row, col, sv, dcap) * kLog2e;
 }
 
 // Whether a whole (rows [i0, i1), keys [j0, j1)) tile is visible, so masking can be skipped.

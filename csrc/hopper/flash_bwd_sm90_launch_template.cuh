@@ -43,7 +43,8 @@ template <typename Elem, int kHeadDim>
 bool run_mha_bwd_sm90_(BwdParams& p, cudaStream_t stream) {
   static_assert(has_sm90_bwd<kHeadDim>, "instantiated for the head dims of has_sm90_bwd only");
   using T = std::conditional_t<(kHeadDim <= 128), BwdSm90WsConfig<Elem, kHeadDim>, BwdSm90SplitDConfig<Elem, kHeadDim>>;
-  if (!cuda::sm90_path_enabled() || p.dq_accum_ptr == nullptr || p.p_dropout > 0.f ||
+  // Score modifiers (score_mod.h) run on the portable kernels, which apply them per element.
+  if (!cuda::sm90_path_enabled() || p.dq_accum_ptr == nullptr || p.p_dropout > 0.f || p.score_mod ||
       T::kSmemBytes > cuda::smem_per_block_optin())
     return false;
   const dim3 grid((p.seqlen_k + T::kBlockN - 1) / T::kBlockN, p.h, p.b);

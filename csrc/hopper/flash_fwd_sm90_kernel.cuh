@@ -77,8 +77,9 @@ __global__ void __launch_bounds__(T::kNThreads, T::kMinBlocks) flash_fwd_sm90_ke
       cp_async_commit();
     }
     wgmma_gemm<true, 0>(mma_s, tSrQ, tSrK(_, _, _, stage), tSrS);
+    const float scale_log2 = cuda::prepare_scores_qmajor<kN, Elem>(s, p, b, h, i16, j0, lane);
     if (!cuda::tile_fully_visible(p, m0, m0 + kM, j0, j0 + kN)) cuda::mask_tile_qmajor<kN>(s, p, i16, j0, lane);
-    cuda::online_softmax<kN, kD>(s, acc, m, l, p.scale_softmax_log2);
+    cuda::online_softmax<kN, kD>(s, acc, m, l, scale_log2);
     to_a_operand<Elem, kN>(tOrP, s);
     wgmma_gemm<false, 0>(mma_o, tOrP, tOrVt(_, _, _, stage), tOrO);
   }

@@ -124,8 +124,9 @@ __global__ void __launch_bounds__(T::kNThreads, 1) flash_fwd_sm90_ws_kernel(cons
   };
   const auto scores_to_probs = [&](int it) {
     const int j0 = tiles[it] * kN;
+    const float scale_log2 = cuda::prepare_scores_qmajor<kN, Elem>(s, p, b, h, i16, j0, lane);
     if (!cuda::tile_fully_visible(p, m0, m0 + kM, j0, j0 + kN)) cuda::mask_tile_qmajor<kN>(s, p, i16, j0, lane);
-    cuda::online_softmax_probs<kN>(s, m, l, p.scale_softmax_log2, alpha);
+    cuda::online_softmax_probs<kN>(s, m, l, scale_log2, alpha);
   };
 
   const int n = tiles.count;
