@@ -118,6 +118,15 @@ def plot(rows, path):
     fig.savefig(path, dpi=80)
 
 
+def save_results(rows, out, plot, plot_path=None, **meta):
+    """rows as JSON at out (with the GPU, torch and meta) and plot(rows, path) as a PNG beside it."""
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, **meta)
+    with open(out, "w") as f:
+        json.dump(dict(meta=meta, rows=rows), f, indent=1)
+    plot(rows, plot_path or os.path.splitext(out)[0] + ".png")
+
+
 def finish_axis(ax, title, xlabel, ylabel):
     ax.set_title(title)
     ax.set_xlabel(xlabel)
@@ -158,11 +167,7 @@ def main():
                                        fwdbwd_tflops=None, error=str(e).splitlines()[0][:200])
                         rows.append(row)
                         torch.cuda.empty_cache()
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, cudnn=torch.backends.cudnn.version())
-    with open(args.out, "w") as f:
-        json.dump(dict(meta=meta, rows=rows), f, indent=1)
-    plot(rows, args.plot or os.path.splitext(args.out)[0] + ".png")
+    save_results(rows, args.out, plot, args.plot, cudnn=torch.backends.cudnn.version())
 
     impls = args.impls.split(",")
     print("fwd / bwd TFLOP/s; peak MB of fwd+bwd in brackets")

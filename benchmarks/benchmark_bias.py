@@ -9,7 +9,6 @@ same bias, forward and backward. Writes JSON (--out) and a PNG (--plot).
 """
 
 import argparse
-import json
 import os
 import sys
 
@@ -19,7 +18,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from benchmarks.benchmark_attention import finish_axis, time_fwd_bwd  # noqa: E402
+from benchmarks.benchmark_attention import finish_axis, save_results, time_fwd_bwd  # noqa: E402
 from flash_attn import flash_attn_func  # noqa: E402
 
 BIAS_SHAPES = {"full": lambda b, h, s: (b, h, s, s), "per_head": lambda b, h, s: (1, h, s, s),
@@ -44,9 +43,10 @@ def make_case(impl, b, s, h, d, bias_kind, bias_grad, causal):
     q, k, v = [torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3)]
     backend = {"efficient": SDPBackend.EFFICIENT_ATTENTION, "fa2": SDPBackend.FLASH_ATTENTION}[impl]
     mask = bias
-    if mask is not None and causal:  # SDPA takes no is_causal with a mask: fold causal into it
+    if bias is not None and causal:  # SDPA takes no is_causal with a mask: causal is folded into it, once
         tri = torch.ones(s, s, device="cuda", dtype=torch.bool).tril()
-        mask = bias.masked_fill(~tri, float("-inf"))
+        mask = bias.detach().masked_fill(~tri, float("-inf")).requires_grad_(bias_grad)
+        extra = [mask] if bias_grad else []
 
     def fn():
         with sdpa_kernel(backend):
@@ -125,11 +125,7 @@ def main():
                           f"{row['fwd_tflops']:>7.0f} {row['bwd_tflops']:>7.0f} {row['peak_mb']:>8.0f} {ratio}",
                           flush=True)
                     torch.cuda.empty_cache()
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, dtype="bf16")
-    with open(args.out, "w") as f:
-        json.dump(dict(meta=meta, rows=rows), f, indent=1)
-    plot(rows, args.plot or os.path.splitext(args.out)[0] + ".png")
+    save_results(rows, args.out, plot, args.plot, dtype="bf16")
 
 
 if __name__ == "__main__":

@@ -11,7 +11,6 @@ x dense time (target <= 1) and speed over FlexAttention (target >= 1.2).
 """
 
 import argparse
-import json
 import os
 import sys
 
@@ -19,7 +18,7 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from benchmarks.benchmark_attention import finish_axis, time_fwd_bwd  # noqa: E402
+from benchmarks.benchmark_attention import finish_axis, save_results, time_fwd_bwd  # noqa: E402
 from flash_attn import BlockSparseMask, flash_attn_blocksparse_func, flash_attn_func  # noqa: E402
 from flash_attn.block_sparse import butterfly_layout, random_layout  # noqa: E402
 
@@ -124,11 +123,7 @@ def main():
         for impl in impls:
             rows.append(run_point(impl, 1, s, 16, 64, dtype, layout, density, "butterfly"))
 
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, dtype="bf16")
-    with open(args.out, "w") as f:
-        json.dump(dict(meta=meta, rows=rows), f, indent=1)
-    plot(rows, args.plot or os.path.splitext(args.out)[0] + ".png")
+    save_results(rows, args.out, plot, args.plot, dtype="bf16")
 
     print(f"{'impl':>10} {'pattern':>9} {'seqlen':>6} {'density':>7} {'fwd ms':>8} {'bwd ms':>8} "
           f"{'fwd TF':>7} {'bwd TF':>7} {'peak MB':>8} {'fwd/(d+.05)dense':>17} {'bwd/(d+.05)dense':>17} "

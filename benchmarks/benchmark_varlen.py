@@ -7,7 +7,6 @@ JSON (--out) and a PNG (--plot).
 """
 
 import argparse
-import json
 import os
 import random
 import sys
@@ -16,7 +15,7 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from benchmarks.benchmark_attention import finish_axis, time_fwd_bwd  # noqa: E402
+from benchmarks.benchmark_attention import finish_axis, save_results, time_fwd_bwd  # noqa: E402
 from flash_attn import flash_attn_func, flash_attn_varlen_func  # noqa: E402
 
 TOTAL = 16384
@@ -103,11 +102,7 @@ def main():
                           f"{r['bwd_ms']:>8.3f} {r['fwd_tflops']:>7.0f} {r['bwd_tflops']:>7.0f} "
                           f"{r['fwd_vs_dense']:>9.2f} {r['bwd_vs_dense']:>9.2f}")
                 torch.cuda.empty_cache()
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, dtype="bf16", total_tokens=TOTAL)
-    with open(args.out, "w") as f:
-        json.dump(dict(meta=meta, rows=rows), f, indent=1)
-    plot(rows, args.plot or os.path.splitext(args.out)[0] + ".png")
+    save_results(rows, args.out, plot, args.plot, dtype="bf16", total_tokens=TOTAL)
 
 
 if __name__ == "__main__":

@@ -8,7 +8,6 @@ computed tiles. Writes JSON (--out) and a PNG of time against window width (--pl
 """
 
 import argparse
-import json
 import os
 import sys
 
@@ -16,7 +15,7 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from benchmarks.benchmark_attention import finish_axis, time_fwd_bwd  # noqa: E402
+from benchmarks.benchmark_attention import finish_axis, save_results, time_fwd_bwd  # noqa: E402
 from flash_attn import flash_attn_func  # noqa: E402
 
 
@@ -113,11 +112,7 @@ def main():
                   f"{row['bwd_tflops']:>7.0f} {row['fwd_vs_dense']:>9.2f} {row['bwd_vs_dense']:>9.2f} "
                   f"{row['fwd_tiles_vs_dense']:>15.2f} {row['bwd_tiles_vs_dense']:>15.2f}")
             torch.cuda.empty_cache()
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, dtype="bf16")
-    with open(args.out, "w") as f:
-        json.dump(dict(meta=meta, rows=rows), f, indent=1)
-    plot(rows, args.plot or os.path.splitext(args.out)[0] + ".png")
+    save_results(rows, args.out, plot, args.plot, dtype="bf16")
 
 
 if __name__ == "__main__":

@@ -360,8 +360,10 @@ void check_score_mods(const ScoreMods& m, const Shapes& s, const at::Tensor& q, 
 }
 
 // The bias as the kernels read it: 4-D, in their element type (bool: 0 where True, -inf where
-// False), unit column stride (a bias broadcast over the keys is expanded along them).
-at::Tensor kernel_bias(const ScoreMods& m, const Shapes& s, at::ScalarType dtype) {
+// False), unit column stride (a bias broadcast over the keys is expanded along them). pairs (CUDA):
+// the kernels read adjacent keys as one 32-bit word, so the start is 4-byte aligned and the
+// strides even (an odd row length is padded by one).
+at::Tensor kernel_bias(const ScoreMods& m, const Shapes& s, at::ScalarType dtype, bool pairs) {
   if (!m.has_bias()) return at::Tensor();
   at::Tensor b = *m.bias;
   while (b.dim() < 4) b = b.unsqueeze(0);
@@ -370,6 +372,12 @@ at::Tensor kernel_bias(const ScoreMods& m, const Shapes& s, at::ScalarType dtype
           : b.to(dtype);
   if (b.size(3) != s.seqlen_k || (b.stride(3) != 1 && s.seqlen_k > 1))
     b = b.expand({b.size(0), b.size(1), b.size(2), s.seqlen_k}).contiguous();
+  bool aligned = reinterpret_cast<uintptr_t>(b.data_ptr()) % 4 == 0;
+  for (int64_t i = 0; i < 3; ++i) aligned = aligned && (b.size(i) == 1 || b.stride(i) % 2 == 0);
+  if (pairs && !aligned) {
+    at::Tensor padded = at::empty({b.size(0), b.size(1), b.size(2), s.seqlen_k + s.seqlen_k % 2}, b.options());
+    b = padded.narrow(3, 0, s.seqlen_k).copy_(b);
+  }
   return b;
 }
 
@@ -393,29 +401,31 @@ void set_score_mods(FwdParams& p, const at::Tensor& bias, const ScoreMods& m) {
   p.score_mod = bias.defined() || m.has_alibi() || m.softcap > 0.0;
 }
 
-// The bias gradient's float32 buffer: the bias's own broadcast shape, which the kernels add into
-// atomically (CUDA, not deterministic), or the full (batch, nheads, seqlen_q, seqlen_k), where
-// each element is written once and the broadcast dims are summed afterwards (finish_dbias).
+// The bias gradient's buffer: the bias's own broadcast shape in float32, which the kernels add
+// into atomically (CUDA, not deterministic), or the full (batch, nheads, seqlen_q, seqlen_k), where
+// each element is written once: directly in the bias's dtype when that is the kernels' (CUDA, a
+// full-shape bias), else in float32 with the broadcast dims summed afterwards (finish_dbias).
 struct DBias {
   at::Tensor acc;
   bool atomic = false;
 };
 
-DBias alloc_dbias(const at::Tensor& kbias, const Shapes& s, bool cuda, bool deterministic) {
+DBias alloc_dbias(const at::Tensor& bias, const at::Tensor& kbias, const Shapes& s, bool cuda, bool deterministic) {
   const auto f32 = kbias.options().dtype(at::kFloat);
   const bool full = kbias.size(0) == s.b && kbias.size(1) == s.h && kbias.size(2) == s.seqlen_q;
   const bool atomic = cuda && !deterministic && !full;
-  return DBias{atomic ? at::zeros({kbias.size(0), kbias.size(1), kbias.size(2), s.seqlen_k}, f32)
-                      : at::zeros({s.b, s.h, s.seqlen_q, s.seqlen_k}, f32),
-               atomic};
+  if (atomic) return DBias{at::zeros({kbias.size(0), kbias.size(1), kbias.size(2), s.seqlen_k}, f32), true};
+  const bool elem = cuda && full && bias.scalar_type() == kbias.scalar_type() && bias.size(-1) == s.seqlen_k;
+  return DBias{at::zeros({s.b, s.h, s.seqlen_q, s.seqlen_k}, elem ? kbias.options() : f32), false};
 }
 
 void set_dbias(BwdParams& p, const DBias& d) {
-  p.dbias_ptr = d.acc.data_ptr<float>();
+  p.dbias_ptr = d.acc.data_ptr();
   p.dbias_batch_stride = bcast_stride(d.acc, 0);
   p.dbias_head_stride = bcast_stride(d.acc, 1);
   p.dbias_row_stride = bcast_stride(d.acc, 2);
   p.dbias_atomic = d.atomic;
+  p.dbias_elem = d.acc.scalar_type() != at::kFloat;
 }
 
 // The gradient in the shape and dtype of the bias the caller passed.
@@ -562,7 +572,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> mha_fwd(
     set_varlen_params(p, vl, packed.seqlen_q, packed.seqlen_k);
     p.d = int(d8);
     set_block_mask(p, mask);
-    const at::Tensor kbias = kernel_bias(mods, s, q.scalar_type());
+    const at::Tensor kbias = kernel_bias(mods, s, q.scalar_type(), /*pairs=*/true);
     set_score_mods(p, kbias, mods);
     p.p_ptr = return_softmax ? probs.data_ptr<float>() : nullptr;
     p.rng_state_ptr = rng_state.data_ptr<int64_t>();
@@ -580,7 +590,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> mha_fwd(
   set_fwd_params(p, s, qf, kf, vf, out_f, lse, dropout_p, scale, causal, window_size_left, window_size_right);
   set_varlen_params(p, vl, packed.seqlen_q, packed.seqlen_k);
   set_block_mask(p, mask);
-  const at::Tensor kbias = kernel_bias(mods, s, at::kFloat);
+  const at::Tensor kbias = kernel_bias(mods, s, at::kFloat, /*pairs=*/false);
   set_score_mods(p, kbias, mods);
   p.p_ptr = return_softmax ? probs.data_ptr<float>() : nullptr;
   if (dropout_p > 0.0) {
@@ -710,11 +720,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> mha_bwd(
       p.dq_accum_ptr = dq_accum.data_ptr<float>();
     }
     p.rng_state_ptr = dropout_p > 0.0 ? rng.data_ptr<int64_t>() : nullptr;
-    const at::Tensor kbias = kernel_bias(mods, s, q.scalar_type());
+    const at::Tensor kbias = kernel_bias(mods, s, q.scalar_type(), /*pairs=*/true);
     set_score_mods(p, kbias, mods);
     DBias dbias;
     if (bias_requires_grad) {
-      dbias = alloc_dbias(kbias, s, /*cuda=*/true, deterministic);
+      dbias = alloc_dbias(*attn_bias, kbias, s, /*cuda=*/true, deterministic);
       set_dbias(p, dbias);
     }
     if (s.seqlen_k == 0) dq.zero_();
@@ -751,11 +761,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> mha_bwd(
   p.dq_accum_ptr = dq_accum.data_ptr<float>();
   p.num_splits = splits;
   set_bwd_varlen_params(p, vl, packed);
-  const at::Tensor kbias = kernel_bias(mods, s, at::kFloat);
+  const at::Tensor kbias = kernel_bias(mods, s, at::kFloat, /*pairs=*/false);
   set_score_mods(p, kbias, mods);
   DBias dbias;
   if (bias_requires_grad) {
-    dbias = alloc_dbias(kbias, s, /*cuda=*/false, deterministic);
+    dbias = alloc_dbias(*attn_bias, kbias, s, /*cuda=*/false, deterministic);
     set_dbias(p, dbias);
   }
   cpu::run_bwd(p);

@@ -88,7 +88,8 @@ struct FwdParams : QKVParams {
   // Score modifiers (score_mod.h), all optional: the kernels then take
   // score(i, j) = cap(scale * q_i.k_j) + bias[b, h, i, j] - slope[b, h] * |i + seqlen_k - seqlen_q - j|.
   // bias_ptr has the kernels' element type (CUDA: q's; CPU: float32), (b, h, rows, seqlen_k) with
-  // unit column stride and stride 0 on broadcast dims. Not with varlen.
+  // unit column stride and stride 0 on broadcast dims; CUDA: 4-byte aligned with even strides (the
+  // kernels read two keys at once). Not with varlen.
   const void* __restrict__ bias_ptr = nullptr;
   int64_t bias_batch_stride = 0, bias_head_stride = 0, bias_row_stride = 0;
   const float* __restrict__ alibi_slopes_ptr = nullptr;  // float32 (batch or 1, h)
@@ -138,13 +139,15 @@ struct BwdParams : FwdParams {
   // h * kv_accum_head_stride + k_row0 + j ((batch, h, seqlen_k) or, varlen, (h, total_k)).
   int64_t kv_accum_batch_stride = 0, kv_accum_head_stride = 0;
 
-  // The bias gradient (dL/dscore, before the capping's derivative), float32, when the bias
-  // requires grad: element (b, h, i, j) at b * dbias_batch_stride + h * dbias_head_stride +
-  // i * dbias_row_stride + j. With dbias_atomic the strides may be 0 (broadcast dims) and the
-  // kernels add; otherwise every visited element is written once into a zeroed buffer.
-  float* __restrict__ dbias_ptr = nullptr;
+  // The bias gradient (dL/dscore, before the capping's derivative) when the bias requires grad:
+  // element (b, h, i, j) at b * dbias_batch_stride + h * dbias_head_stride + i * dbias_row_stride
+  // + j (score_mod.h: dbias_index). float32, or with dbias_elem (CUDA) the kernels' element type.
+  // With dbias_atomic the strides may be 0 (broadcast dims) and the kernels add (float32);
+  // otherwise every visited element is written once into a zeroed buffer.
+  void* __restrict__ dbias_ptr = nullptr;
   int64_t dbias_batch_stride = 0, dbias_head_stride = 0, dbias_row_stride = 0;
   bool dbias_atomic = false;
+  bool dbias_elem = false;
 };
 
 }  // namespace flash

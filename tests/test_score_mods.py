@@ -198,6 +198,19 @@ def test_head_dims_cuda(d, dtype):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("deterministic", [False, True])
+@pytest.mark.parametrize("shape_name", ["full", "key_padding"])
+def test_bias_and_alibi_without_cap_cuda(d, dtype, deterministic, shape_name):
+    # Without a cap, head dims 64 and 128 run the warp-specialized backward (bias, ALiBi, dbias).
+    b, sq, sk, h = 2, 190, 333, 4
+    q, k, v = make(b, sq, sk, h, 2, d, dtype, "cuda")
+    check_mods(q, k, v, deterministic=deterministic, alibi_slopes=slopes_of((h,), "cuda"),
+               attn_bias=bias_of(BIAS_SHAPES[shape_name](b, h, sq, sk), dtype, "cuda"))
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("shape_name", ["full", "key_padding"])
 def test_longer_sequences_cuda(shape_name):
     b, s, h, d = 2, 1100, 4, 128

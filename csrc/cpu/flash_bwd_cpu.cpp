@@ -98,7 +98,8 @@ void tile_step(const BwdParams& p, const HeadGrads& g, int i0, int rows, int j0,
     if (dropout) apply_keep(dprow, dprow, w.keep.data() + r * kBlockN, cols, p.rp_dropout);
     float* ds = P + r * kBlockN;
     softmax_grad_row(ds, dprow, cols, w.rowsum_do_o[i0 + r]);  // P becomes dS = dL/dscore
-    if (p.dbias_ptr != nullptr) std::copy(ds, ds + cols, dbias_at(p, g.b, g.h, i0 + r, j0));
+    if (p.dbias_ptr != nullptr)
+      std::copy(ds, ds + cols, static_cast<float*>(p.dbias_ptr) + dbias_index(p, g.b, g.h, i0 + r, j0));
     if (dcap != nullptr)  // through the cap: dL/d(scale q.k)
       for (int col = 0; col < cols; ++col) ds[col] *= dcap[r * kBlockN + col];
   }

@@ -54,11 +54,13 @@ __device__ __forceinline__ void store_acc_smem(Elem* s, const float (&acc)[kMT][
 
 // Element (row, col) of head (b, h) of the bias gradient (score_mod.h), dS before the cap's
 // derivative; rows and keys past the sequence are skipped.
+template <typename Elem>
 __device__ __forceinline__ void write_dbias(const BwdParams& p, int b, int h, int row, int col, float ds) {
   if (row >= p.seqlen_q || col >= p.seqlen_k) return;
-  float* dst = dbias_at(p, b, h, row, col);
-  if (p.dbias_atomic) atomicAdd(dst, ds);
-  else *dst = ds;
+  const int64_t at = dbias_index(p, b, h, row, col);
+  if (p.dbias_atomic) atomicAdd(static_cast<float*>(p.dbias_ptr) + at, ds);
+  else if (p.dbias_elem) static_cast<Elem*>(p.dbias_ptr)[at] = from_float<Elem>(ds);
+  else static_cast<float*>(p.dbias_ptr)[at] = ds;
 }
 
 // dst[0..1] += (x, y) in global memory.
@@ -202,6 +204,12 @@ __global__ void __launch_bounds__(T::kNThreads, 1) flash_bwd_dkdv_kernel(const B
 #pragma unroll
       for (int mt = 0; mt < kMTS; ++mt) mask_tile_qmajor<kNS>(s[mt], p, i0 + s_m0 + mt * 16, j0 + s_n0, lane);
     }
+    // Score modifiers without a cap (its derivative is needed below): whole-tile passes, masked
+    // scores stay -inf.
+    const bool mod_in_place = p.score_mod && p.softcap == 0.f;
+    if (mod_in_place)
+#pragma unroll
+      for (int mt = 0; mt < kMTS; ++mt) modify_scores_qmajor<kNS, Elem>(s[mt], p, b, h, i0 + s_m0 + mt * 16, j0 + s_n0, lane);
 #pragma unroll
     for (int mt = 0; mt < kMTS; ++mt) {
 #pragma unroll
@@ -216,8 +224,9 @@ __global__ void __launch_bounds__(T::kNThreads, 1) flash_bwd_dkdv_kernel(const B
             float& dsv = dp[mt][2 * c + hh][r];
             const int row = i0 + s_m0 + mt * 16 + g + 8 * (r >> 1), col = j0 + s_n0 + (2 * c + hh) * 8 + 2 * t + (r & 1);
             float dcap = 1.f;
-            const float pv = p.score_mod ? fast_exp2(score_log2(p, mod, row, col, sv, dcap) - lse2[mt][r >> 1])
-                                         : fast_exp2(fmaf(sv, p.scale_softmax_log2, -lse2[mt][r >> 1]));
+            const float pv = !p.score_mod  ? fast_exp2(fmaf(sv, p.scale_softmax_log2, -lse2[mt][r >> 1]))
+                             : mod_in_place ? fast_exp2(sv - lse2[mt][r >> 1])
+                                            : fast_exp2(score_log2(p, mod, row, col, sv, dcap) - lse2[mt][r >> 1]);
             if (dropout) {
               dsv = keep[hh][r] ? pv * (dsv * p.rp_dropout - dsm[mt][r >> 1]) : -pv * dsm[mt][r >> 1];
               sv = keep[hh][r] ? pv * p.rp_dropout : 0.f;  // P with dropout applied
@@ -225,7 +234,7 @@ __global__ void __launch_bounds__(T::kNThreads, 1) flash_bwd_dkdv_kernel(const B
               dsv = pv * (dsv - dsm[mt][r >> 1]);  // dS / softmax_scale = dL/dscore
               sv = pv;
             }
-            if (p.dbias_ptr != nullptr) write_dbias(p, b, h, row, col, dsv);
+            if (p.dbias_ptr != nullptr) write_dbias<Elem>(p, b, h, row, col, dsv);
             dsv *= dcap;
           }
       }

@@ -140,6 +140,8 @@ __global__ void __launch_bounds__(T::kNThreads) flash_bwd_dq_kernel(const BwdPar
 #pragma unroll
     for (int mt = 0; mt < kMT; ++mt) {
       if (masked) mask_tile_qmajor<kN>(s[mt], p, m0 + warp_row + mt * 16, j0, lane);
+      const bool mod_in_place = p.score_mod && p.softcap == 0.f;  // as in flash_bwd_dkdv_kernel
+      if (mod_in_place) modify_scores_qmajor<kN, Elem>(s[mt], p, b, h, m0 + warp_row + mt * 16, j0, lane);
 #pragma unroll
       for (int c = 0; c < kN / 16; ++c) {
         bool keep[2][4];
@@ -150,8 +152,8 @@ __global__ void __launch_bounds__(T::kNThreads) flash_bwd_dq_kernel(const BwdPar
           for (int r = 0; r < 4; ++r) {
             const int row = m0 + warp_row + mt * 16 + g + 8 * (r >> 1);
             const int col = j0 + (2 * c + hh) * 8 + 2 * (lane % 4) + (r & 1);
-            float dcap;
-            const float sv = score_log2(p, mod, row, col, s[mt][2 * c + hh][r], dcap);
+            float dcap = 1.f;
+            const float sv = mod_in_place ? s[mt][2 * c + hh][r] : score_log2(p, mod, row, col, s[mt][2 * c + hh][r], dcap);
             const float pv = sv == kNegInf ? 0.f : fast_exp2(sv - lse2[mt][r >> 1]);
             float x = dp[mt][2 * c + hh][r];
             if (dropout) x = keep[hh][r] ? x * p.rp_dropout : 0.f;

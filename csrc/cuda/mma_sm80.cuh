@@ -77,4 +77,10 @@ __device__ __forceinline__ float to_float(Elem x) {
   else return __bfloat162float(x);
 }
 
+template <typename Elem>
+__device__ __forceinline__ Elem from_float(float x) {
+  if constexpr (std::is_same_v<Elem, __half>) return __float2half_rn(x);
+  else return __float2bfloat16_rn(x);
+}
+
 }  // namespace flash::cuda

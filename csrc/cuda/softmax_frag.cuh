@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cmath>
+#include <type_traits>
 
 #include "../mask.h"
 #include "../score_mod.h"
@@ -68,20 +69,58 @@ __device__ __forceinline__ void mask_tile_qmajor(float (&s)[kN / 8][4], const Fw
   mask_qmajor<kN>(s, j0, rows, lane);
 }
 
-// The score modifiers (score_mod.h) on a query-major (16 x kN) tile of raw scores at rows i16..,
-// keys j0.. of head (b, h): the modified scores in log2 units, ready for a softmax with scale 1.
-// Entries past seqlen_q / seqlen_k are only scaled (they are masked or never stored). p: a seq_view.
+// The score modifiers (score_mod.h) on a query-major (16 x kN) tile of raw scores at rows i16..
+// (the thread's rows g and g + 8), keys j0..: the modified scores in log2 units, ready for a
+// softmax with scale 1. One straight pass per term keeps the per-element cost to a few
+// instructions (the softmax already bounds these kernels): cap (MUFU tanh) or scale; ALiBi from a
+// float distance whose per-element offsets are constants; the bias as 32-bit pairs (the op layer
+// gives it even strides and alignment) where the tile lies within seqlen_k. Rows past seqlen_q
+// read the last row and keys past seqlen_k the last key: those scores are masked or never stored.
 template <int kN, typename Bias>
 __device__ __forceinline__ void modify_scores_qmajor(float (&s)[kN / 8][4], const FwdParams& p, int b, int h, int i16,
                                                      int j0, int lane) {
-  const ScoreModHead<Bias> mod(p, b, h);
+  const int row0 = i16 + lane / 4, t2 = 2 * (lane % 4);
+  if (p.softcap > 0.f) {
+    const float in = p.scale_softmax / p.softcap, out = p.softcap * kLog2e;
 #pragma unroll
-  for (int n = 0; n < kN / 8; ++n)
+    for (int n = 0; n < kN / 8; ++n)
 #pragma unroll
-    for (int r = 0; r < 4; ++r) {
-      const int row = i16 + lane / 4 + 8 * (r >> 1), col = j0 + n * 8 + 2 * (lane % 4) + (r & 1);
-      s[n][r] = row < p.seqlen_q && col < p.seqlen_k ? mod(row, col, s[n][r]) * kLog2e : s[n][r] * p.scale_softmax_log2;
+      for (int r = 0; r < 4; ++r) s[n][r] = cap_tanh(s[n][r] * in) * out;
+  } else {
+    scale_acc<kN>(s, p.scale_softmax_log2);
+  }
+  if (p.alibi_slopes_ptr != nullptr) {
+    const float neg_slope = -p.alibi_slopes_ptr[b * p.alibi_batch_stride + h] * kLog2e;
+    const float d0 = float(row0 + p.seqlen_k - p.seqlen_q - j0 - t2);  // i - j + shift at n = 0, r = 0
+#pragma unroll
+    for (int n = 0; n < kN / 8; ++n)
+#pragma unroll
+      for (int r = 0; r < 4; ++r) s[n][r] = fmaf(fabsf(d0 + float(8 * (r >> 1) - 8 * n - (r & 1))), neg_slope, s[n][r]);
+  }
+  if (p.bias_ptr != nullptr) {
+    const Bias* head = static_cast<const Bias*>(p.bias_ptr) + b * p.bias_batch_stride + h * p.bias_head_stride;
+    const Bias* rows[2] = {head + min(row0, p.seqlen_q - 1) * p.bias_row_stride,
+                           head + min(row0 + 8, p.seqlen_q - 1) * p.bias_row_stride};
+    if (j0 + kN <= p.seqlen_k) {
+      using Pair = std::conditional_t<std::is_same_v<Bias, __half>, __half2, __nv_bfloat162>;
+#pragma unroll
+      for (int n = 0; n < kN / 8; ++n)
+#pragma unroll
+        for (int hr = 0; hr < 2; ++hr) {
+          const Pair v = *reinterpret_cast<const Pair*>(rows[hr] + j0 + n * 8 + t2);
+          s[n][2 * hr] = fmaf(to_float(v.x), kLog2e, s[n][2 * hr]);
+          s[n][2 * hr + 1] = fmaf(to_float(v.y), kLog2e, s[n][2 * hr + 1]);
+        }
+    } else {
+#pragma unroll
+      for (int n = 0; n < kN / 8; ++n)
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {
+          const int col = min(j0 + n * 8 + t2 + (r & 1), p.seqlen_k - 1);
+          s[n][r] = fmaf(to_float(rows[r >> 1][col]), kLog2e, s[n][r]);
+        }
     }
+  }
 }
 
 // Scores in log2 units for a softmax with scale 1 where the call has score modifiers; returns the

@@ -113,6 +113,61 @@ __device__ __forceinline__ void mask_tile_kmajor(float (&s)[kM / 8][4], const Fw
     }
 }
 
+// The score modifiers except the cap (its derivative would need the raw scores at dS time) on a
+// key-major tile of raw scores (keys j16 + g, j16 + g + 8; queries i0 + 8 n + 2 t + {0, 1}): the
+// modified scores in log2 units, as cuda::modify_scores_qmajor does query-major. Masked scores stay
+// -inf; rows past seqlen_q and keys past seqlen_k read the last ones (their scores are masked).
+template <int kM, typename Bias>
+__device__ __forceinline__ void modify_scores_kmajor(float (&s)[kM / 8][4], const FwdParams& p, int b, int h, int j16,
+                                                     int i0, int lane) {
+  const int key0 = j16 + lane / 4, t2 = 2 * (lane % 4);
+  cuda::scale_acc<kM>(s, p.scale_softmax_log2);
+  if (p.alibi_slopes_ptr != nullptr) {
+    const float neg_slope = -p.alibi_slopes_ptr[b * p.alibi_batch_stride + h] * cuda::kLog2e;
+    const float d0 = float(i0 + t2 + p.seqlen_k - p.seqlen_q - key0);  // i - j + shift at n = 0, r = 0
+#pragma unroll
+    for (int n = 0; n < kM / 8; ++n)
+#pragma unroll
+      for (int r = 0; r < 4; ++r) s[n][r] = fmaf(fabsf(d0 + float(8 * n + (r & 1) - 8 * (r >> 1))), neg_slope, s[n][r]);
+  }
+  if (p.bias_ptr != nullptr) {
+    const Bias* head = static_cast<const Bias*>(p.bias_ptr) + b * p.bias_batch_stride + h * p.bias_head_stride;
+    const int keys[2] = {min(key0, p.seqlen_k - 1), min(key0 + 8, p.seqlen_k - 1)};
+#pragma unroll
+    for (int n = 0; n < kM / 8; ++n)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const Bias* row = head + min(i0 + 8 * n + t2 + e, p.seqlen_q - 1) * p.bias_row_stride;
+#pragma unroll
+        for (int hr = 0; hr < 2; ++hr) s[n][2 * hr + e] = fmaf(cuda::to_float(row[keys[hr]]), cuda::kLog2e, s[n][2 * hr + e]);
+      }
+  }
+}
+
+// The bias gradient from a key-major dS tile (dL/dscore, laid out as in modify_scores_kmajor). A
+// bias broadcast over the query rows (a key-padding bias) takes one atomic add per key and quad:
+// the thread's queries and then the quad's are summed first (rows past seqlen_q hold dS = 0).
+template <typename Elem, int kM>
+__device__ __forceinline__ void write_dbias_kmajor(const BwdParams& p, int b, int h, const float (&ds)[kM / 8][4],
+                                                   int j16, int i0, int lane) {
+  if (p.dbias_row_stride == 0) {
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) {
+      float sum = 0.f;
+#pragma unroll
+      for (int n = 0; n < kM / 8; ++n) sum += ds[n][2 * hr] + ds[n][2 * hr + 1];
+      sum = cuda::quad_sum(sum);
+      if (lane % 4 == 0) cuda::write_dbias<Elem>(p, b, h, 0, j16 + lane / 4 + 8 * hr, sum);
+    }
+    return;
+  }
+#pragma unroll
+  for (int n = 0; n < kM / 8; ++n)
+#pragma unroll
+    for (int r = 0; r < 4; ++r)
+      cuda::write_dbias<Elem>(p, b, h, i0 + 8 * n + 2 * (lane % 4) + (r & 1), j16 + lane / 4 + 8 * (r >> 1), ds[n][r]);
+}
+
 // P^T = exp2(S^T scale_log2 - lse log2 e) in place on a key-major tile; lse2_t points at the
 // stage's base-2 logsumexp of query column 2 t (the pre-pass stores 0 for a query row that sees
 // no key, whose scores are all masked, so exp2 gives 0, not NaN).

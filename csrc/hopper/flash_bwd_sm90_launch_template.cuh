@@ -43,8 +43,10 @@ template <typename Elem, int kHeadDim>
 bool run_mha_bwd_sm90_(BwdParams& p, cudaStream_t stream) {
   static_assert(has_sm90_bwd<kHeadDim>, "instantiated for the head dims of has_sm90_bwd only");
   using T = std::conditional_t<(kHeadDim <= 128), BwdSm90WsConfig<Elem, kHeadDim>, BwdSm90SplitDConfig<Elem, kHeadDim>>;
-  // Score modifiers (score_mod.h) run on the portable kernels, which apply them per element.
-  if (!cuda::sm90_path_enabled() || p.dq_accum_ptr == nullptr || p.p_dropout > 0.f || p.score_mod ||
+  // Score modifiers (score_mod.h): the warp-specialized kernel takes a bias and ALiBi; a cap (whose
+  // derivative the dS step needs) and the split-d kernel's head dims run on the portable kernels.
+  const bool mods_here = !p.score_mod || (kHeadDim <= 128 && p.softcap == 0.f && p.k_block_lists == nullptr);
+  if (!cuda::sm90_path_enabled() || p.dq_accum_ptr == nullptr || p.p_dropout > 0.f || !mods_here ||
       T::kSmemBytes > cuda::smem_per_block_optin())
     return false;
   const dim3 grid((p.seqlen_k + T::kBlockN - 1) / T::kBlockN, p.h, p.b);
@@ -54,8 +56,10 @@ bool run_mha_bwd_sm90_(BwdParams& p, cudaStream_t stream) {
         !k_view(p).compatible() || !v_view(p).compatible())
       return false;
     const BwdSm90WsParams<T> args = bwd_ws_params<T>(p);
-    cuda::launch<T>(sparse ? &flash_bwd_sm90_ws_kernel<T, true> : &flash_bwd_sm90_ws_kernel<T, false>, grid, args,
-                    stream);
+    cuda::launch<T>(p.score_mod ? &flash_bwd_sm90_ws_kernel<T, false, true>
+                    : sparse    ? &flash_bwd_sm90_ws_kernel<T, true>
+                                : &flash_bwd_sm90_ws_kernel<T, false>,
+                    grid, args, stream);
     p.dq_accum_swizzled = true;
   } else {
     cuda::launch<T>(sparse ? &flash_bwd_sm90_split_d_kernel<T, true> : &flash_bwd_sm90_split_d_kernel<T, false>, grid,

@@ -37,7 +37,9 @@ __device__ __forceinline__ void bulk_reduce_add_f32(float* dst, const float* src
                : "memory");
 }
 
-template <typename T, bool kBlockSparse>
+// kScoreMod: a bias and ALiBi (score_mod.h; no cap) and the bias gradient, in a separate
+// instantiation so that the common path keeps its registers.
+template <typename T, bool kBlockSparse, bool kScoreMod = false>
 __global__ void __launch_bounds__(T::kNThreads, 1) flash_bwd_sm90_ws_kernel(const __grid_constant__ BwdSm90WsParams<T> args) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using namespace cute;
@@ -189,9 +191,12 @@ __global__ void __launch_bounds__(T::kNThreads, 1) flash_bwd_sm90_ws_kernel(cons
     wgmma_wait<1>(tSrS);
     if (!(cuda::tile_fully_visible(p, i0, i0 + kM, j0, j0 + kN) && i0 + kM <= p.seqlen_q))
       mask_tile_kmajor<kM>(s, p, j0 + key16, i0, lane);
-    probs_kmajor<kM>(s, sLse + stage * kM + 2 * t, p.scale_softmax_log2);
+    if constexpr (kScoreMod) modify_scores_kmajor<kM, Elem>(s, p, b, h, j0 + key16, i0, lane);
+    probs_kmajor<kM>(s, sLse + stage * kM + 2 * t, kScoreMod ? 1.f : p.scale_softmax_log2);
     wgmma_wait<0>(tSrdP);
     dscores_kmajor<kM>(dp, s, sDsum + stage * kM + 2 * t);
+    if constexpr (kScoreMod)
+      if (p.dbias_ptr != nullptr) write_dbias_kmajor<Elem, kM>(p, b, h, dp, j0 + key16, i0, lane);
     to_a_operand<Elem, kM>(tKVrP, s);
     wgmma_gemm<false, -1>(mma_dkv, tKVrP, tKVrdO(_, _, _, stage), tdVrdV);
     to_a_operand<Elem, kM>(tKVrdS, dp);
