@@ -356,6 +356,7 @@ void check_score_mods(const ScoreMods& m, const Shapes& s, const at::Tensor& q, 
                                                        a.size(1) == s.h),
                 "flash_attn: alibi_slopes must have shape (nheads,) = (", s.h, ",) or (batch, nheads) = (", s.b, ", ",
                 s.h, "), got ", a.sizes());
+    TORCH_CHECK(a.stride(-1) == 1, "flash_attn: alibi_slopes must be contiguous");
   }
 }
 
@@ -385,7 +386,7 @@ at::Tensor kernel_bias(const ScoreMods& m, const Shapes& s, at::ScalarType dtype
 int64_t bcast_stride(const at::Tensor& t, int64_t i) { return t.size(i) == 1 ? 0 : t.stride(i); }
 
 // bias: kernel_bias's result (or undefined).
-void set_score_mods(FwdParams& p, const at::Tensor& bias, const ScoreMods& m) {
+void set_score_mod_params(FwdParams& p, const at::Tensor& bias, const ScoreMods& m) {
   if (bias.defined()) {
     p.bias_ptr = bias.data_ptr();
     p.bias_batch_stride = bcast_stride(bias, 0);
@@ -395,7 +396,6 @@ void set_score_mods(FwdParams& p, const at::Tensor& bias, const ScoreMods& m) {
   if (m.has_alibi()) {
     p.alibi_slopes_ptr = m.alibi->data_ptr<float>();
     p.alibi_batch_stride = m.alibi->dim() == 2 ? bcast_stride(*m.alibi, 0) : 0;
-    TORCH_CHECK(m.alibi->stride(-1) == 1, "flash_attn: alibi_slopes must be contiguous");
   }
   p.softcap = float(m.softcap);
   p.score_mod = bias.defined() || m.has_alibi() || m.softcap > 0.0;
@@ -419,7 +419,7 @@ DBias alloc_dbias(const at::Tensor& bias, const at::Tensor& kbias, const Shapes&
   return DBias{at::zeros({s.b, s.h, s.seqlen_q, s.seqlen_k}, elem ? kbias.options() : f32), false};
 }
 
-void set_dbias(BwdParams& p, const DBias& d) {
+void set_dbias_params(BwdParams& p, const DBias& d) {
   p.dbias_ptr = d.acc.data_ptr();
   p.dbias_batch_stride = bcast_stride(d.acc, 0);
   p.dbias_head_stride = bcast_stride(d.acc, 1);
@@ -437,6 +437,31 @@ at::Tensor finish_dbias(const at::Tensor& acc, const at::Tensor& bias) {
     if (b.size(i) == 1 && acc.size(i) != 1) dims.push_back(i);
   const at::Tensor r = dims.empty() ? acc : acc.sum(dims, /*keepdim=*/true);
   return r.reshape(bias.sizes()).to(bias.scalar_type());
+}
+
+// The score modifiers into p, for the CUDA kernels (bias in q's dtype, read as pairs) or the CPU
+// (float32). Returns the bias the kernels read, which must outlive the launch.
+at::Tensor set_score_mods(FwdParams& p, const ScoreMods& m, const Shapes& s, const at::Tensor& q, bool cuda) {
+  at::Tensor kbias = kernel_bias(m, s, cuda ? q.scalar_type() : at::kFloat, /*pairs=*/cuda);
+  set_score_mod_params(p, kbias, m);
+  return kbias;
+}
+
+// The backward's: the modifiers and, when requested, the bias gradient's buffer (DBias::acc
+// undefined otherwise).
+DBias set_bwd_score_mods(BwdParams& p, const ScoreMods& m, const Shapes& s, const at::Tensor& q, bool cuda,
+                         bool deterministic, bool bias_requires_grad, at::Tensor& kbias) {
+  kbias = set_score_mods(p, m, s, q, cuda);
+  if (!bias_requires_grad) return DBias{};
+  DBias d = alloc_dbias(*m.bias, kbias, s, cuda, deterministic);
+  set_dbias_params(p, d);
+  return d;
+}
+
+// The gradient in the shape and dtype of the bias the caller passed (an empty tensor when it was
+// not requested).
+at::Tensor dbias_result(const DBias& d, const ScoreMods& m, const at::Tensor& q) {
+  return d.acc.defined() ? finish_dbias(d.acc, *m.bias) : at::empty({0}, q.options());
 }
 
 // What the forward and backward check alike: operands (varlen ones as one packed batch entry),
@@ -572,8 +597,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> mha_fwd(
     set_varlen_params(p, vl, packed.seqlen_q, packed.seqlen_k);
     p.d = int(d8);
     set_block_mask(p, mask);
-    const at::Tensor kbias = kernel_bias(mods, s, q.scalar_type(), /*pairs=*/true);
-    set_score_mods(p, kbias, mods);
+    const at::Tensor kbias = set_score_mods(p, mods, s, q, /*cuda=*/true);
     p.p_ptr = return_softmax ? probs.data_ptr<float>() : nullptr;
     p.rng_state_ptr = rng_state.data_ptr<int64_t>();
     if (dropout_p > 0.0) set_cuda_philox(p);
@@ -590,8 +614,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> mha_fwd(
   set_fwd_params(p, s, qf, kf, vf, out_f, lse, dropout_p, scale, causal, window_size_left, window_size_right);
   set_varlen_params(p, vl, packed.seqlen_q, packed.seqlen_k);
   set_block_mask(p, mask);
-  const at::Tensor kbias = kernel_bias(mods, s, at::kFloat, /*pairs=*/false);
-  set_score_mods(p, kbias, mods);
+  const at::Tensor kbias = set_score_mods(p, mods, s, q, /*cuda=*/false);
   p.p_ptr = return_softmax ? probs.data_ptr<float>() : nullptr;
   if (dropout_p > 0.0) {
     p.philox_seed = draw_cpu_seed();
@@ -720,19 +743,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> mha_bwd(
       p.dq_accum_ptr = dq_accum.data_ptr<float>();
     }
     p.rng_state_ptr = dropout_p > 0.0 ? rng.data_ptr<int64_t>() : nullptr;
-    const at::Tensor kbias = kernel_bias(mods, s, q.scalar_type(), /*pairs=*/true);
-    set_score_mods(p, kbias, mods);
-    DBias dbias;
-    if (bias_requires_grad) {
-      dbias = alloc_dbias(*attn_bias, kbias, s, /*cuda=*/true, deterministic);
-      set_dbias(p, dbias);
-    }
+    at::Tensor kbias;
+    const DBias dbias = set_bwd_score_mods(p, mods, s, q, /*cuda=*/true, deterministic, bias_requires_grad, kbias);
     if (s.seqlen_k == 0) dq.zero_();
     cuda::run_bwd(p, at::cuda::getCurrentCUDAStream().stream());
     const auto trim = [&](const at::Tensor& x) { return unpack(d8 == s.d ? x : x.narrow(3, 0, s.d).contiguous()); };
     if (dq_factor != 1.0) dq.mul_(dq_factor);
     return {trim(dq), gqa ? unpack(group_sum(dk)) : trim(dk), gqa ? unpack(group_sum(dv)) : trim(dv),
-            bias_requires_grad ? finish_dbias(dbias.acc, *attn_bias) : at::empty({0}, q.options())};
+            dbias_result(dbias, mods, q)};
   }
 #endif
 
@@ -761,17 +779,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> mha_bwd(
   p.dq_accum_ptr = dq_accum.data_ptr<float>();
   p.num_splits = splits;
   set_bwd_varlen_params(p, vl, packed);
-  const at::Tensor kbias = kernel_bias(mods, s, at::kFloat, /*pairs=*/false);
-  set_score_mods(p, kbias, mods);
-  DBias dbias;
-  if (bias_requires_grad) {
-    dbias = alloc_dbias(*attn_bias, kbias, s, /*cuda=*/false, deterministic);
-    set_dbias(p, dbias);
-  }
+  at::Tensor kbias;
+  const DBias dbias = set_bwd_score_mods(p, mods, s, q, /*cuda=*/false, deterministic, bias_requires_grad, kbias);
   cpu::run_bwd(p);
   at::Tensor dq = (splits == 1 ? dq_accum.select(2, 0) : dq_accum.sum(2)).permute({0, 2, 1, 3});
   return {unpack(dq.to(q.scalar_type()).contiguous()), unpack(group_sum(dk_accum)), unpack(group_sum(dv_accum)),
-          bias_requires_grad ? finish_dbias(dbias.acc, *attn_bias) : at::empty({0}, q.options())};
+          dbias_result(dbias, mods, q)};
 }
 
 }  // namespace
