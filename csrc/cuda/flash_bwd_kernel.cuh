@@ -9,21 +9,26 @@
 
 namespace flash::cuda {
 
+// The two element-wise kernels below run on (row blocks, h, batch) grids, so that a thread finds
+// its head and row without 64-bit divisions (both are bound by memory bandwidth, and the index
+// arithmetic of a flat grid cost a large share of their issue slots).
+inline constexpr int kBwdRowKernelThreads = 256;
+inline constexpr int kDotDoOLanes = 8;  // the pre-pass's lanes per row
+inline constexpr int kDotDoORows = kBwdRowKernelThreads / kDotDoOLanes;
+inline constexpr int kConvertDqRows = 64;
+
 // D[b, h, i] = sum_d dO[b, i, h, d] * O[b, i, h, d], eight lanes per row, 16-byte loads (d is a
 // multiple of 8), over each sequence's padded rows of padded_query_rows (their D is 0). Where set,
 // it also writes the row's base-2 logsumexp and zeroes the row's dQ accumulator (kHeadDim floats).
-// Threads cover (batch, padded_query_rows(seqlen_q), h): with varlen, the longest sequence's.
+// Grid: (padded_query_rows(seqlen_q) / kDotDoORows, h, batch); with varlen, the longest sequence's rows.
 template <typename Elem, int kHeadDim>
-__global__ void flash_bwd_dot_do_o_kernel(const BwdParams params) {
-  constexpr int kLanes = 8;  // the shuffle mask below assumes 8
-  const int64_t rows_per_head = padded_query_rows(params.seqlen_q);
-  const int64_t row = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / kLanes;
-  const int lane = threadIdx.x % kLanes;
-  if (row >= int64_t(params.b) * rows_per_head * params.h) return;
-  const int h = int(row % params.h), i = int((row / params.h) % rows_per_head);
-  const int b = int(row / (int64_t(params.h) * rows_per_head));
+__global__ void __launch_bounds__(kBwdRowKernelThreads) flash_bwd_dot_do_o_kernel(const BwdParams params) {
+  constexpr int kLanes = kDotDoOLanes, kRows = kDotDoORows;
+  static_assert(kDqAccumRowPad % kRows == 0, "blocks of rows tile the padded rows, so whole warps return together");
+  const int h = blockIdx.y, b = blockIdx.z;
+  const int i = blockIdx.x * kRows + threadIdx.x / kLanes, lane = threadIdx.x % kLanes;
   const BwdParams p = seq_view(params, b);
-  if (i >= padded_query_rows(p.seqlen_q)) return;  // varlen: past this sequence's padded rows
+  if (i >= padded_query_rows(p.seqlen_q)) return;  // varlen: past this sequence's padded rows (whole blocks)
   float sum = 0.f;
   if (i < p.seqlen_q) {
     const Elem* o = rows_of<const Elem>(p.o_ptr, b, h, p.q_row0 + i, p.o_batch_stride, p.o_row_stride, p.o_head_stride);
@@ -43,10 +48,8 @@ __global__ void flash_bwd_dot_do_o_kernel(const BwdParams params) {
 #pragma unroll
     for (int c = lane * 4; c < kHeadDim; c += kLanes * 4) *reinterpret_cast<float4*>(acc + c) = float4{0.f, 0.f, 0.f, 0.f};
   }
-  // A row's kLanes lanes return or stay together: the sum needs only theirs.
-  const unsigned row_lanes = 0xffu << (threadIdx.x % 32 / kLanes * kLanes);
 #pragma unroll
-  for (int off = kLanes / 2; off > 0; off /= 2) sum += __shfl_xor_sync(row_lanes, sum, off);
+  for (int off = kLanes / 2; off > 0; off /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, off);
   if (lane == 0) {
     p.dsoftmax_sum_ptr[at] = sum;
     if (p.softmax_lse_log2_ptr != nullptr) {
@@ -58,28 +61,28 @@ __global__ void flash_bwd_dot_do_o_kernel(const BwdParams params) {
 
 // dQ (batch, seqlen_q, h, d) in the input dtype from the float32 accumulator of the atomic mode
 // (rows as stat_row() places them, columns as dq_accum_col places them), times softmax_scale; four
-// elements per thread (d is a multiple of 8). Threads cover (batch, h, seqlen_q): with varlen,
-// the longest sequence's.
+// elements per step of a thread (d is a multiple of 8). Grid: (blocks of kConvertDqRows rows of
+// seqlen_q, h, batch); with varlen, the longest sequence's rows.
 template <typename Elem, int kHeadDim>
-__global__ void flash_bwd_convert_dq_kernel(const BwdParams params) {
-  const int64_t quad = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  const int quads_per_row = params.d / 4;
-  if (quad >= int64_t(params.b) * params.h * params.seqlen_q * quads_per_row) return;
-  const int c = int(quad % quads_per_row) * 4;
-  const int64_t row = quad / quads_per_row;  // (b, h, i)
-  const int i = int(row % params.seqlen_q);
-  const int64_t bh = row / params.seqlen_q;
-  const int h = int(bh % params.h), b = int(bh / params.h);
+__global__ void __launch_bounds__(kBwdRowKernelThreads) flash_bwd_convert_dq_kernel(const BwdParams params) {
+  constexpr int kRows = kConvertDqRows, kQuads = kHeadDim / 4;
+  const int h = blockIdx.y, b = blockIdx.z, i0 = blockIdx.x * kRows;
   const BwdParams p = seq_view(params, b);
-  if (i >= p.seqlen_q) return;  // varlen: past this sequence's rows
-  const float4 x = *reinterpret_cast<const float4*>(p.dq_accum_ptr + (stat_row(p, b, h) + i) * kHeadDim +
-                                                   dq_accum_col(p.dq_accum_swizzled, i, c));
-  Elem* dst = rows_of<Elem>(p.dq_ptr, b, h, p.q_row0 + i, p.dq_batch_stride, p.dq_row_stride, p.dq_head_stride) + c;
+  if (i0 >= p.seqlen_q) return;  // varlen: past this sequence's rows
+  const float* acc = p.dq_accum_ptr + (stat_row(p, b, h) + i0) * kHeadDim;
+  Elem* dq = rows_of<Elem>(p.dq_ptr, b, h, p.q_row0 + i0, p.dq_batch_stride, p.dq_row_stride, p.dq_head_stride);
+  const int rows = min(kRows, p.seqlen_q - i0);
   const float sc = p.scale_softmax;
-  uint2 packed;
-  packed.x = pack2<Elem>(x.x * sc, x.y * sc);
-  packed.y = pack2<Elem>(x.z * sc, x.w * sc);
-  *reinterpret_cast<uint2*>(dst) = packed;
+#pragma unroll 4
+  for (int e = threadIdx.x; e < kRows * kQuads; e += kBwdRowKernelThreads) {
+    const int r = e / kQuads, c = e % kQuads * 4;  // constant divisor
+    if (r >= rows || c >= p.d) continue;
+    const float4 x = *reinterpret_cast<const float4*>(acc + r * kHeadDim + dq_accum_col(p.dq_accum_swizzled, i0 + r, c));
+    uint2 packed;
+    packed.x = pack2<Elem>(x.x * sc, x.y * sc);
+    packed.y = pack2<Elem>(x.z * sc, x.w * sc);
+    *reinterpret_cast<uint2*>(dq + r * p.dq_row_stride + c) = packed;
+  }
 }
 
 template <typename T>

@@ -40,8 +40,9 @@ bool try_sm90_bwd(BwdParams& p, cudaStream_t stream) {
 template <typename Elem, int kHeadDim>
 void run_mha_bwd_(BwdParams& p, cudaStream_t stream) {
   if (p.b == 0 || p.seqlen_q == 0 || p.seqlen_k == 0) return;  // the op layer zero-fills
-  const int64_t rows = int64_t(p.b) * p.seqlen_q * p.h, padded_rows = int64_t(p.b) * padded_query_rows(p.seqlen_q) * p.h;
-  flash_bwd_dot_do_o_kernel<Elem, kHeadDim><<<unsigned((padded_rows * 8 + 255) / 256), 256, 0, stream>>>(p);
+  constexpr int kThreads = kBwdRowKernelThreads;
+  flash_bwd_dot_do_o_kernel<Elem, kHeadDim>
+      <<<dim3(unsigned(padded_query_rows(p.seqlen_q) / kDotDoORows), p.h, p.b), kThreads, 0, stream>>>(p);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   const auto main_grid = [&](int block_n) { return dim3((p.seqlen_k + block_n - 1) / block_n, p.h, p.b); };
   const int smem = smem_per_block_optin();
@@ -57,8 +58,8 @@ void run_mha_bwd_(BwdParams& p, cudaStream_t stream) {
       ran = true;
     }
     if (ran) {
-      const int64_t quads = rows * p.d / 4;
-      flash_bwd_convert_dq_kernel<Elem, kHeadDim><<<unsigned((quads + 255) / 256), 256, 0, stream>>>(p);
+      flash_bwd_convert_dq_kernel<Elem, kHeadDim>
+          <<<dim3(unsigned((p.seqlen_q + kConvertDqRows - 1) / kConvertDqRows), p.h, p.b), kThreads, 0, stream>>>(p);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
       return;
     }

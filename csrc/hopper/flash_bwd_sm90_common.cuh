@@ -168,33 +168,36 @@ __device__ __forceinline__ void write_dbias_kmajor(const BwdParams& p, int b, in
       cuda::write_dbias<Elem>(p, b, h, i0 + 8 * n + 2 * (lane % 4) + (r & 1), j16 + lane / 4 + 8 * (r >> 1), ds[n][r]);
 }
 
-// P^T = exp2(S^T scale_log2 - lse log2 e) in place on a key-major tile; lse2_t points at the
-// stage's base-2 logsumexp of query column 2 t (the pre-pass stores 0 for a query row that sees
-// no key, whose scores are all masked, so exp2 gives 0, not NaN).
+// A stage's row statistic (base-2 logsumexp or D) at this thread's query columns 8 n + 2 t and
+// 8 n + 2 t + 1 of a key-major tile, read as pairs from stat_t = the stage's statistics + 2 t
+// (8-byte aligned). The kernels read them before waiting for the MMA that needs them, so the
+// shared-memory latency hides behind it.
 template <int kM>
-__device__ __forceinline__ void probs_kmajor(float (&s)[kM / 8][4], const float* lse2_t, float scale_log2) {
+__device__ __forceinline__ void load_stat_pairs(float2 (&pairs)[kM / 8], const float* stat_t) {
 #pragma unroll
-  for (int n = 0; n < kM / 8; ++n)
-#pragma unroll
-    for (int e = 0; e < 2; ++e) {
-      const float lse2 = lse2_t[n * 8 + e];
-#pragma unroll
-      for (int hr = 0; hr < 2; ++hr) s[n][2 * hr + e] = cuda::fast_exp2(fmaf(s[n][2 * hr + e], scale_log2, -lse2));
-    }
+  for (int n = 0; n < kM / 8; ++n) pairs[n] = *reinterpret_cast<const float2*>(stat_t + n * 8);
 }
 
-// dS^T = P^T (dP^T - D) in place on dp; dsum_t points at the stage's D of query column 2 t.
+// P^T = exp2(S^T scale_log2 - lse log2 e) in place on a key-major tile, from the base-2 logsumexp
+// pairs of load_stat_pairs. The pre-pass stores 0 for a query row that sees no key, whose scores
+// are all masked, so exp2 gives 0, not NaN.
 template <int kM>
-__device__ __forceinline__ void dscores_kmajor(float (&dp)[kM / 8][4], const float (&pr)[kM / 8][4],
-                                               const float* dsum_t) {
+__device__ __forceinline__ void probs_kmajor(float (&s)[kM / 8][4], const float2 (&lse2)[kM / 8], float scale_log2) {
 #pragma unroll
   for (int n = 0; n < kM / 8; ++n)
 #pragma unroll
-    for (int e = 0; e < 2; ++e) {
-      const float dsm = dsum_t[n * 8 + e];
+    for (int r = 0; r < 4; ++r)
+      s[n][r] = cuda::fast_exp2(fmaf(s[n][r], scale_log2, -((r & 1) ? lse2[n].y : lse2[n].x)));
+}
+
+// dS^T = P^T (dP^T - D) in place on dp, from the D pairs of load_stat_pairs.
+template <int kM>
+__device__ __forceinline__ void dscores_kmajor(float (&dp)[kM / 8][4], const float (&pr)[kM / 8][4],
+                                               const float2 (&dsum)[kM / 8]) {
 #pragma unroll
-      for (int hr = 0; hr < 2; ++hr) dp[n][2 * hr + e] = pr[n][2 * hr + e] * (dp[n][2 * hr + e] - dsm);
-    }
+  for (int n = 0; n < kM / 8; ++n)
+#pragma unroll
+    for (int r = 0; r < 4; ++r) dp[n][r] = pr[n][r] * (dp[n][r] - ((r & 1) ? dsum[n].y : dsum[n].x));
 }
 
 // Add one warp's (16 queries x kN columns) slice of dQ into the accumulator (row stride kD) at

@@ -106,8 +106,11 @@ __global__ void __launch_bounds__(T::kNThreads, 1) flash_bwd_sm90_split_d_kernel
       const int q0 = wg * (kM / 2);
       if (!(cuda::tile_fully_visible(p, i0, i0 + kM, j0, j0 + kN) && i0 + kM <= p.seqlen_q))
         mask_tile_kmajor<kM / 2>(s, p, j0 + row16, i0 + q0, lane);
-      probs_kmajor<kM / 2>(s, sLse + stage * kM + q0 + 2 * t, p.scale_softmax_log2);
-      dscores_kmajor<kM / 2>(dp, s, sDsum + stage * kM + q0 + 2 * t);
+      float2 stats[kM / 16];
+      load_stat_pairs<kM / 2>(stats, sLse + stage * kM + q0 + 2 * t);
+      probs_kmajor<kM / 2>(s, stats, p.scale_softmax_log2);
+      load_stat_pairs<kM / 2>(stats, sDsum + stage * kM + q0 + 2 * t);
+      dscores_kmajor<kM / 2>(dp, s, stats);
 #pragma unroll
       for (int n = 0; n < kH; ++n)
 #pragma unroll

@@ -37,6 +37,11 @@ __device__ __forceinline__ void bulk_reduce_add_f32(float* dst, const float* src
                : "memory");
 }
 
+// A 32-bit store to a shared-memory address (st.shared: no generic-address arithmetic).
+__device__ __forceinline__ void st_shared_u32(uint32_t addr, uint32_t v) {
+  asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(v) : "memory");
+}
+
 // kScoreMod: a bias and ALiBi (score_mod.h; no cap) and the bias gradient, in a separate
 // instantiation so that the common path keeps its registers.
 template <typename T, bool kBlockSparse, bool kScoreMod = false>
@@ -180,6 +185,13 @@ __global__ void __launch_bounds__(T::kNThreads, 1) flash_bwd_sm90_ws_kernel(cons
   float(&dq)[T::kDqN / 8][4] = as_rows16<T::kDqN>(tdQrdQ);
   cuda::zero<kD>(dk);
   cuda::zero<kD>(dv);
+  // Shared-memory byte address of this thread's dS^T values: (query 8 n + 2 t, key key16 + g + 8 hr,
+  // buffer) sits at ds_thread + buffer * kDsBufBytes + hr * kDsKeyAtomBytes + ((n ^ g) << 4) in
+  // SmemLayoutdS2 (MN-major 64 x 8 atoms of 1024 bytes, 128-byte swizzle), written out here
+  // because CuTe's generic pointers cost several integer instructions per store.
+  static_assert(kM == 64, "one swizzle atom along the queries");
+  constexpr uint32_t kDsKeyAtomBytes = 1024, kDsBufBytes = kM * kN * sizeof(CElem);
+  const uint32_t ds_thread = cuda::smem_addr(sds_ptr) + (key16 / 8) * kDsKeyAtomBytes + g * 128 + 4 * t;
 
   if (tiles.count > 0) Barrier::wait(kv_full, 0);
   for (int it = 0; it < tiles.count; ++it) {
@@ -188,37 +200,43 @@ __global__ void __launch_bounds__(T::kNThreads, 1) flash_bwd_sm90_ws_kernel(cons
     wgmma_gemm<true, -1>(mma_sdp, tSrK, tSrQ(_, _, _, stage), tSrS);
     wgmma_gemm<true, -1>(mma_sdp, tSrV, tSrdO(_, _, _, stage), tSrdP);
 
+    // The rows' logsumexp, then their D, read while the MMAs run (with score modifiers, whose
+    // registers are live until the probabilities, the logsumexp after them).
+    float2 stats[kM / 8];
+    if constexpr (!kScoreMod) load_stat_pairs<kM>(stats, sLse + stage * kM + 2 * t);
     wgmma_wait<1>(tSrS);
     if (!(cuda::tile_fully_visible(p, i0, i0 + kM, j0, j0 + kN) && i0 + kM <= p.seqlen_q))
       mask_tile_kmajor<kM>(s, p, j0 + key16, i0, lane);
-    if constexpr (kScoreMod) modify_scores_kmajor<kM, Elem>(s, p, b, h, j0 + key16, i0, lane);
-    probs_kmajor<kM>(s, sLse + stage * kM + 2 * t, kScoreMod ? 1.f : p.scale_softmax_log2);
+    if constexpr (kScoreMod) {
+      modify_scores_kmajor<kM, Elem>(s, p, b, h, j0 + key16, i0, lane);
+      load_stat_pairs<kM>(stats, sLse + stage * kM + 2 * t);
+    }
+    probs_kmajor<kM>(s, stats, kScoreMod ? 1.f : p.scale_softmax_log2);
+    load_stat_pairs<kM>(stats, sDsum + stage * kM + 2 * t);
     wgmma_wait<0>(tSrdP);
-    dscores_kmajor<kM>(dp, s, sDsum + stage * kM + 2 * t);
+    dscores_kmajor<kM>(dp, s, stats);
     if constexpr (kScoreMod)
       if (p.dbias_ptr != nullptr) write_dbias_kmajor<Elem, kM>(p, b, h, dp, j0 + key16, i0, lane);
     to_a_operand<Elem, kM>(tKVrP, s);
     wgmma_gemm<false, -1>(mma_dkv, tKVrP, tKVrdO(_, _, _, stage), tdVrdV);
     to_a_operand<Elem, kM>(tKVrdS, dp);
-    // dS^T to shared memory (queries contiguous) for dQ = dS K, from its packed A operand before
-    // the MMA takes it (so the float scores are dead during the MMAs). Two buffers, so this
-    // step's write cannot race the other warpgroup's dQ of the step before.
-    const auto ds_packed = recast<uint32_t>(tKVrdS);  // value 2 n + hr: keys g + 8 hr, queries 8 n + 2 t + {0, 1}
+    // dS^T to shared memory (queries contiguous) for dQ = dS K, from its packed A operand (value
+    // 2 n + hr: keys g + 8 hr, queries 8 n + 2 t + {0, 1}). Two buffers, so this step's write
+    // cannot race the other warpgroup's dQ of the step before.
+    const auto ds_packed = recast<uint32_t>(tKVrdS);
+    const uint32_t ds_buf = ds_thread + buf * kDsBufBytes;
 #pragma unroll
     for (int n = 0; n < kM / 8; ++n)
 #pragma unroll
       for (int hr = 0; hr < 2; ++hr)
-        *reinterpret_cast<uint32_t*>(&sdS(n * 8 + 2 * t, key16 + g + 8 * hr, buf)) = ds_packed(2 * n + hr);
-    wgmma_gemm<false, -1>(mma_dkv, tKVrdS, tKVrQ(_, _, _, stage), tdKrdK);
+        st_shared_u32(ds_buf + hr * kDsKeyAtomBytes + ((n ^ g) << 4), ds_packed(2 * n + hr));
     fence_proxy_async_smem();
     if constexpr (T::kDqSplitK) NamedBarrier::sync(128, T::kBarDsReady + wg);  // only this warpgroup's dS is read
     else NamedBarrier::sync(T::kNConsumerThreads, T::kBarDsReady);
+    // dQ before dK, so that storing the dQ tile overlaps the dK MMA.
     wgmma_gemm<true, -1>(mma_dq, tQrdS(_, _, _, buf), tQrKt, tdQrdQ);
-    wgmma_wait<0>(tdVrdV, tdKrdK, tKVrP, tKVrdS, tdQrdQ);
-    // This stage's Q, dO and statistics are no longer read. One lane arrives for the warp; the
-    // warp barrier orders the other lanes' reads of the statistics before that arrive.
-    __syncwarp();
-    if (lane == 0) Barrier::arrive(empty + stage);
+    wgmma_gemm<false, -1>(mma_dkv, tKVrdS, tKVrQ(_, _, _, stage), tdKrdK);
+    wgmma_wait<1>(tdVrdV, tKVrP, tdQrdQ);
 
     if (it > 0) NamedBarrier::sync(T::kNConsumerThreads + 32, T::kBarDqEmpty);  // the last tiles have been read
 #pragma unroll
@@ -231,6 +249,11 @@ __global__ void __launch_bounds__(T::kNThreads, 1) flash_bwd_sm90_ws_kernel(cons
     }
     fence_proxy_async_smem();
     NamedBarrier::arrive(T::kNConsumerThreads + 32, T::kBarDqFull);
+    // This stage's Q, dO and statistics are no longer read once dK is done. One lane arrives for
+    // the warp; the warp barrier orders the other lanes' reads of the statistics before that arrive.
+    wgmma_wait<0>(tdKrdK, tKVrdS);
+    __syncwarp();
+    if (lane == 0) Barrier::arrive(empty + stage);
   }
 
   cuda::write_dk_dv_tile<Elem, kD>(p, b, h, j0 + key16, 0, dk, dv, lane);
