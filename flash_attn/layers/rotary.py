@@ -1,0 +1,111 @@
+"""Rotary position embeddings (RoPE) with flash-attn 2.x's names and arguments, in plain PyTorch
+(element-wise, so torch.compile fuses it into its neighbours)."""
+
+from typing import Optional, Tuple, Union
+
+import torch
+from torch import nn
+
+
+def _rotate(x1: torch.Tensor, x2: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    return x1 * cos - x2 * sin, x2 * cos + x1 * sin
+
+
+def apply_rotary_emb(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False,
+                     inplace: bool = False, seqlen_offsets: Union[int, torch.Tensor] = 0,
+                     cu_seqlens: Optional[torch.Tensor] = None, max_seqlen: Optional[int] = None) -> torch.Tensor:
+    """Rotate the first rotary_dim = 2 * cos.shape[-1] features of each head.
+
+    x: (batch, seqlen, nheads, headdim), or (total, nheads, headdim) packed with cu_seqlens
+    (batch + 1,), each sequence's positions counted from 0. cos, sin: (seqlen_ro, rotary_dim / 2)
+    covering every position. Not interleaved (GPT-NeoX): feature i pairs with i + rotary_dim / 2;
+    interleaved (GPT-J): 2 i with 2 i + 1. seqlen_offsets: an int, or (batch,) per sequence (KV-cache
+    decoding), added to the positions. The rest of headdim passes through. inplace writes the
+    result into x. max_seqlen is accepted for flash-attn 2.x's signature and not needed.
+    """
+    rot = 2 * cos.shape[-1]
+    if rot > x.shape[-1]:
+        raise ValueError(f"apply_rotary_emb: rotary_dim {rot} exceeds the head dim {x.shape[-1]}")
+    if cu_seqlens is not None:  # per token: its position within its sequence
+        seqlens = cu_seqlens[1:] - cu_seqlens[:-1]
+        starts = torch.repeat_interleave(cu_seqlens[:-1], seqlens, output_size=x.shape[0])
+        pos = torch.arange(x.shape[0], device=x.device) - starts
+        if isinstance(seqlen_offsets, torch.Tensor):
+            pos = pos + torch.repeat_interleave(seqlen_offsets, seqlens, output_size=x.shape[0])
+        else:
+            pos = pos + seqlen_offsets
+        cos, sin = cos[pos].unsqueeze(1), sin[pos].unsqueeze(1)  # (total, 1, rot / 2)
+    elif isinstance(seqlen_offsets, torch.Tensor):
+        pos = seqlen_offsets.view(-1, 1) + torch.arange(x.shape[1], device=x.device)  # (batch, seqlen)
+        cos, sin = cos[pos].unsqueeze(2), sin[pos].unsqueeze(2)  # (batch, seqlen, 1, rot / 2)
+    else:
+        seqlen = x.shape[1]
+        if seqlen + seqlen_offsets > cos.shape[0]:
+            raise ValueError(f"apply_rotary_emb: cos/sin cover {cos.shape[0]} positions, need {seqlen + seqlen_offsets}")
+        cos, sin = cos[seqlen_offsets:seqlen_offsets + seqlen, None], sin[seqlen_offsets:seqlen_offsets + seqlen, None]
+    cos, sin = cos.float(), sin.float()
+    xr = x[..., :rot].float()  # rotated in float32, rounded once to x's dtype
+    if interleaved:
+        pairs = xr.unflatten(-1, (-1, 2))
+        y1, y2 = _rotate(pairs[..., 0], pairs[..., 1], cos, sin)
+        rotated = torch.stack((y1, y2), dim=-1).flatten(-2)
+    else:
+        y1, y2 = _rotate(xr[..., :rot // 2], xr[..., rot // 2:], cos, sin)
+        rotated = torch.cat((y1, y2), dim=-1)
+    rotated = rotated.to(x.dtype)
+    if inplace:
+        x[..., :rot] = rotated
+        return x
+    return torch.cat((rotated, x[..., rot:]), dim=-1) if rot < x.shape[-1] else rotated
+
+
+class RotaryEmbedding(nn.Module):
+    """The cos/sin tables of RoPE for rotary_dim = dim features, applied to q and k (or a packed
+    qkv). base: the frequency base; interleaved: GPT-J pairing. The tables are recomputed per call
+    (seqlen x dim / 2 values; under torch.compile they fuse with their use)."""
+
+    def __init__(self, dim: int, base: float = 10000.0, interleaved: bool = False,
+                 scale_base: Optional[float] = None, device=None):
+        super().__init__()
+        if dim % 2 != 0:
+            raise ValueError(f"RotaryEmbedding: dim must be even, got {dim}")
+        if scale_base is not None:
+            raise NotImplementedError("RotaryEmbedding: scale_base (XPos) is not supported yet; pass None")
+        self.dim, self.base, self.interleaved = dim, float(base), interleaved
+        self.register_buffer("inv_freq", self._inv_freq(device), persistent=False)
+
+    def _inv_freq(self, device) -> torch.Tensor:
+        return 1.0 / (self.base ** (torch.arange(0, self.dim, 2, device=device, dtype=torch.float32) / self.dim))
+
+    def cos_sin(self, seqlen: int, device) -> Tuple[torch.Tensor, torch.Tensor]:
+        """(seqlen, dim / 2) float32 tables for positions 0 .. seqlen - 1. The frequencies are
+        recomputed in float32 (the inv_freq buffer follows a module's .to(dtype), and in 16 bits
+        the angles of late positions would be off by tenths of a radian)."""
+        freqs = torch.outer(torch.arange(seqlen, device=device, dtype=torch.float32), self._inv_freq(device))
+        return torch.cos(freqs), torch.sin(freqs)
+
+    def forward(self, qkv: torch.Tensor, kv: Optional[torch.Tensor] = None,
+                seqlen_offset: Union[int, torch.Tensor] = 0, cu_seqlens: Optional[torch.Tensor] = None,
+                max_seqlen: Optional[int] = None) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
+        """qkv: (batch, seqlen, 3, nheads, headdim) with kv None, rotating q and k; or q (batch,
+        seqlen, nheads, headdim) with kv (batch, seqlen_k, 2, nheads_k, headdim), rotating q and k.
+        Packed (with cu_seqlens and max_seqlen): the same without the batch dim, self-attention
+        only. Returns qkv, or (q, kv)."""
+        seq_dim = 0 if cu_seqlens is not None else 1
+        q = qkv.select(seq_dim + 1, 0) if kv is None else qkv
+        k = qkv.select(seq_dim + 1, 1) if kv is None else kv.select(seq_dim + 1, 0)
+        if cu_seqlens is not None:
+            if kv is not None:
+                raise ValueError("RotaryEmbedding: cu_seqlens is for a packed qkv (self-attention) only")
+            if max_seqlen is None:
+                raise ValueError("RotaryEmbedding: cu_seqlens needs max_seqlen")
+            positions = max_seqlen
+        else:
+            positions = max(q.shape[1], k.shape[1])
+        extra = int(seqlen_offset.max()) if isinstance(seqlen_offset, torch.Tensor) else seqlen_offset
+        cos, sin = self.cos_sin(positions + extra, q.device)
+        rope = dict(interleaved=self.interleaved, seqlen_offsets=seqlen_offset, cu_seqlens=cu_seqlens)
+        q, k = apply_rotary_emb(q, cos, sin, **rope), apply_rotary_emb(k, cos, sin, **rope)
+        if kv is None:
+            return torch.stack((q, k, qkv.select(seq_dim + 1, 2)), dim=seq_dim + 1)
+        return q, torch.stack((k, kv.select(seq_dim + 1, 1)), dim=seq_dim + 1)

@@ -1,0 +1,177 @@
+"""flash-attn 2.x's attention layers (flash_attn.modules.mha): FlashSelfAttention and
+FlashCrossAttention over packed qkv / kv, and MHA, a multi-head attention block with a fused QKV
+projection, rotary embeddings, GQA/MQA, cross-attention, ALiBi, sliding windows and a causal flag.
+Same names, constructor arguments, parameter names and layouts, so code written for flash-attn
+runs unchanged; the options that only select another implementation there are accepted."""
+
+import math
+from typing import List, Optional
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from ..interface import (flash_attn_kvpacked_func, flash_attn_qkvpacked_func, flash_attn_varlen_kvpacked_func,
+                         flash_attn_varlen_qkvpacked_func)
+from ..layers.rotary import RotaryEmbedding
+
+
+def get_alibi_slopes(nheads: int) -> List[float]:
+    """ALiBi's per-head slopes: a geometric sequence from 2^(-8 / n) for the nearest power of two
+    n <= nheads, the remaining heads taking every other slope of the sequence for 2 n."""
+    def power_of_2(n):
+        start = 2 ** (-(2 ** -(math.log2(n) - 3)))
+        return [start * start ** i for i in range(n)]
+    if math.log2(nheads).is_integer():
+        return power_of_2(nheads)
+    closest = 2 ** math.floor(math.log2(nheads))
+    return power_of_2(closest) + get_alibi_slopes(2 * closest)[0::2][: nheads - closest]
+
+
+class FlashSelfAttention(nn.Module):
+    """softmax(Q K^T * softmax_scale) V over a packed qkv: (batch, seqlen, 3, nheads, headdim), or
+    (total, 3, nheads, headdim) with cu_seqlens / max_seqlen. attention_dropout applies in
+    training mode only."""
+
+    def __init__(self, causal=False, softmax_scale=None, attention_dropout=0.0, window_size=(-1, -1),
+                 alibi_slopes=None, deterministic=False):
+        super().__init__()
+        self.causal, self.softmax_scale, self.drop = causal, softmax_scale, nn.Dropout(attention_dropout)
+        self.window_size, self.deterministic = window_size, deterministic
+        self.register_buffer("alibi_slopes", alibi_slopes, persistent=False)
+
+    def _kwargs(self, causal):
+        slopes = None if self.alibi_slopes is None else self.alibi_slopes.float()  # kept float32 under .to(dtype)
+        return dict(dropout_p=self.drop.p if self.training else 0.0, softmax_scale=self.softmax_scale,
+                    causal=self.causal if causal is None else causal, window_size=self.window_size,
+                    alibi_slopes=slopes, deterministic=self.deterministic)
+
+    def forward(self, qkv, causal=None, cu_seqlens=None, max_seqlen=None):
+        """Returns (batch, seqlen, nheads, headdim), or (total, nheads, headdim)."""
+        if cu_seqlens is not None:
+            if max_seqlen is None:
+                raise ValueError("FlashSelfAttention: cu_seqlens needs max_seqlen")
+            return flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, **self._kwargs(causal))
+        return flash_attn_qkvpacked_func(qkv, **self._kwargs(causal))
+
+
+class FlashCrossAttention(FlashSelfAttention):
+    """Attention of q (batch, seqlen_q, nheads, headdim) over a packed kv (batch, seqlen_k, 2,
+    nheads_k, headdim), nheads a multiple of nheads_k; or packed sequences with cu_seqlens /
+    max_seqlen (queries) and cu_seqlens_k / max_seqlen_k."""
+
+    def forward(self, q, kv, causal=None, cu_seqlens=None, max_seqlen=None, cu_seqlens_k=None, max_seqlen_k=None):
+        if cu_seqlens is not None:
+            if None in (max_seqlen, cu_seqlens_k, max_seqlen_k):
+                raise ValueError("FlashCrossAttention: cu_seqlens needs max_seqlen, cu_seqlens_k and max_seqlen_k")
+            return flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens, cu_seqlens_k, max_seqlen, max_seqlen_k,
+                                                   **self._kwargs(causal))
+        return flash_attn_kvpacked_func(q, kv, **self._kwargs(causal))
+
+
+class MHA(nn.Module):
+    """Multi-head attention block: Wqkv (or Wq and Wkv with cross_attn), rotary embeddings on the
+    first rotary_emb_dim features of q and k, attention on the flash_attn kernels, out_proj.
+
+    x: (batch, seqlen, embed_dim), or (total, embed_dim) with cu_seqlens / max_seqlen (packed
+    sequences). num_heads_kv < num_heads: GQA / MQA. key_padding_mask: (batch, seqlen) bool, True
+    = a real token (padding keys are masked; padded query rows come out as out_proj's bias).
+    use_alibi adds ALiBi with the standard slopes. dwconv, mixer_subset and inference_params (KV
+    cache) are not supported; fused_bias_fc and use_flash_attn only select implementations in
+    flash-attn and change nothing here.
+    """
+
+    def __init__(self, embed_dim, num_heads, num_heads_kv=None, cross_attn=False, qkv_proj_bias=True,
+                 out_proj_bias=True, dropout=0.0, softmax_scale=None, causal=False, layer_idx=None, dwconv=False,
+                 rotary_emb_dim=0, rotary_emb_base=10000.0, rotary_emb_scale_base=None, rotary_emb_interleaved=False,
+                 use_alibi=False, window_size=(-1, -1), fused_bias_fc=False, use_flash_attn=True,
+                 return_residual=False, checkpointing=False, device=None, dtype=None):
+        super().__init__()
+        factory = dict(device=device, dtype=dtype)
+        self.embed_dim, self.num_heads, self.cross_attn, self.causal = embed_dim, num_heads, cross_attn, causal
+        self.num_heads_kv = num_heads if num_heads_kv is None else num_heads_kv
+        self.layer_idx, self.return_residual, self.checkpointing = layer_idx, return_residual, checkpointing
+        if embed_dim % num_heads != 0:
+            raise ValueError(f"MHA: embed_dim ({embed_dim}) must be divisible by num_heads ({num_heads})")
+        if num_heads % self.num_heads_kv != 0:
+            raise ValueError(f"MHA: num_heads ({num_heads}) must be a multiple of num_heads_kv ({self.num_heads_kv})")
+        if dwconv:
+            raise NotImplementedError("MHA: dwconv is not supported")
+        self.head_dim = embed_dim // num_heads
+        qkv_dim = self.head_dim * (num_heads + 2 * self.num_heads_kv)
+        kv_dim = 2 * self.head_dim * self.num_heads_kv
+        self.rotary_emb_dim = rotary_emb_dim
+        if rotary_emb_dim > 0:
+            if cross_attn:
+                raise NotImplementedError("MHA: rotary embeddings with cross_attn are not supported")
+            self.rotary_emb = RotaryEmbedding(rotary_emb_dim, base=rotary_emb_base, interleaved=rotary_emb_interleaved,
+                                              scale_base=rotary_emb_scale_base, device=device)
+        alibi = torch.tensor(get_alibi_slopes(num_heads), device=device, dtype=torch.float32) if use_alibi else None
+        if cross_attn:
+            self.Wq = nn.Linear(embed_dim, embed_dim, bias=qkv_proj_bias, **factory)
+            self.Wkv = nn.Linear(embed_dim, kv_dim, bias=qkv_proj_bias, **factory)
+        else:
+            self.Wqkv = nn.Linear(embed_dim, qkv_dim, bias=qkv_proj_bias, **factory)
+        self.inner_attn = FlashSelfAttention(causal=causal, softmax_scale=softmax_scale, attention_dropout=dropout,
+                                             window_size=window_size, alibi_slopes=alibi)
+        self.inner_cross_attn = FlashCrossAttention(causal=causal, softmax_scale=softmax_scale,
+                                                    attention_dropout=dropout, window_size=window_size,
+                                                    alibi_slopes=alibi)
+        self.out_proj = nn.Linear(embed_dim, embed_dim, bias=out_proj_bias, **factory)
+
+    def _attend(self, fn, *args, **kwargs):
+        if self.checkpointing and self.training:
+            return checkpoint(fn, *args, use_reentrant=False, **kwargs)
+        return fn(*args, **kwargs)
+
+    def forward(self, x, x_kv=None, key_padding_mask=None, cu_seqlens=None, max_seqlen=None, mixer_subset=None,
+                inference_params=None, **kwargs):
+        if mixer_subset is not None or inference_params is not None:
+            raise NotImplementedError("MHA: mixer_subset and inference_params (KV cache) are not supported")
+        if cu_seqlens is not None and (max_seqlen is None or key_padding_mask is not None):
+            raise ValueError("MHA: cu_seqlens needs max_seqlen and excludes key_padding_mask")
+        if x_kv is not None and not self.cross_attn:
+            raise ValueError("MHA: x_kv is for cross_attn=True")
+        packed = cu_seqlens is not None
+        lead = x.shape[:-1]  # (batch, seqlen) or (total,)
+        h, hk, d = self.num_heads, self.num_heads_kv, self.head_dim
+        varlen = dict(cu_seqlens=cu_seqlens, max_seqlen=max_seqlen) if packed else {}
+        if self.cross_attn:
+            if packed:
+                raise NotImplementedError("MHA: cross_attn with cu_seqlens is not supported")
+            q = self.Wq(x).unflatten(-1, (h, d))
+            kv = self.Wkv(x if x_kv is None else x_kv).unflatten(-1, (2, hk, d))
+            out = self._attend(self._cross, q, kv, key_padding_mask)
+        else:
+            qkv = self.Wqkv(x)
+            if h == hk:
+                qkv = qkv.unflatten(-1, (3, h, d))
+                if self.rotary_emb_dim > 0:
+                    qkv = self.rotary_emb(qkv, **varlen)
+                if key_padding_mask is not None:
+                    out = self._attend(self._cross, qkv.select(-3, 0), qkv[..., 1:, :, :], key_padding_mask)
+                else:
+                    out = self._attend(self.inner_attn, qkv, **varlen)
+            else:
+                q, kv = qkv[..., : h * d].unflatten(-1, (h, d)), qkv[..., h * d:].unflatten(-1, (2, hk, d))
+                if self.rotary_emb_dim > 0:
+                    if packed:
+                        raise NotImplementedError("MHA: rotary embeddings with GQA and cu_seqlens are not supported")
+                    q, kv = self.rotary_emb(q, kv)
+                if packed:
+                    out = self._attend(self.inner_cross_attn, q, kv, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
+                                       cu_seqlens_k=cu_seqlens, max_seqlen_k=max_seqlen)
+                else:
+                    out = self._attend(self._cross, q, kv, key_padding_mask)
+        out = self.out_proj(out.reshape(*lead, self.embed_dim))
+        return (out, x) if self.return_residual else out
+
+    def _cross(self, q, kv, key_padding_mask):
+        """inner_cross_attn with padding keys masked through a bool attention bias (True = attend)."""
+        if key_padding_mask is None:
+            return self.inner_cross_attn(q, kv)
+        if key_padding_mask.shape != kv.shape[:2]:
+            raise ValueError(f"MHA: key_padding_mask must be (batch, seqlen_k) = {tuple(kv.shape[:2])}, got "
+                             f"{tuple(key_padding_mask.shape)}")
+        return flash_attn_kvpacked_func(q, kv, attn_bias=key_padding_mask.bool()[:, None, None, :],
+                                        **self.inner_cross_attn._kwargs(None))

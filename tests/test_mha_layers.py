@@ -1,0 +1,223 @@
+"""flash-attn-style layers: rotary embeddings against a complex-number reference, ALiBi slopes,
+FlashSelfAttention / FlashCrossAttention against the functional API, and MHA (fused QKV, GQA,
+rotary, cross-attention, causal, window, ALiBi, key padding, packed sequences) against a plain
+float64 reference built from the same weights; CPU in float32, GPU in bf16 / fp16 under the
+tolerance rule."""
+
+import copy
+import math
+
+import pytest
+import torch
+
+from flash_attn import flash_attn_func
+from flash_attn.layers import RotaryEmbedding, apply_rotary_emb
+from flash_attn.modules import MHA, FlashCrossAttention, FlashSelfAttention
+from flash_attn.modules.mha import get_alibi_slopes
+from reference import attention_ref, check_rule
+
+
+def rope_ref(x, rot, base=10000.0, interleaved=False, positions=None):
+    """RoPE as complex multiplication, float64: x (..., seqlen, heads, d) with positions (seqlen,)
+    or broadcastable to x's leading dims."""
+    seqlen = x.shape[-3]
+    pos = torch.arange(seqlen, dtype=torch.float64, device=x.device) if positions is None else positions.double()
+    inv = 1.0 / base ** (torch.arange(0, rot, 2, dtype=torch.float64, device=x.device) / rot)
+    rotor = torch.polar(torch.ones_like(pos[..., None] * inv), pos[..., None] * inv).unsqueeze(-2)  # (..., 1, rot/2)
+    xr = x[..., :rot].double()
+    if interleaved:
+        z = torch.view_as_complex(xr.unflatten(-1, (-1, 2)).contiguous())
+        out = torch.view_as_real(z * rotor).flatten(-2)
+    else:
+        z = torch.complex(xr[..., : rot // 2], xr[..., rot // 2:])
+        y = z * rotor
+        out = torch.cat((y.real, y.imag), dim=-1)
+    return torch.cat((out, x[..., rot:].double()), dim=-1)
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("rot", [16, 32])
+def test_rotary_matches_complex_reference(interleaved, rot):
+    x = torch.randn(2, 13, 3, 32)
+    cos, sin = RotaryEmbedding(rot).cos_sin(20, "cpu")
+    torch.testing.assert_close(apply_rotary_emb(x, cos, sin, interleaved).double(), rope_ref(x, rot, interleaved=interleaved),
+                               atol=1e-5, rtol=1e-5)
+    # offsets: an int, per sequence, and packed sequences restarting at 0
+    torch.testing.assert_close(apply_rotary_emb(x, cos, sin, interleaved, seqlen_offsets=4).double(),
+                               rope_ref(x, rot, interleaved=interleaved, positions=torch.arange(4, 17)), atol=1e-5, rtol=1e-5)
+    offs = torch.tensor([0, 5])
+    got = apply_rotary_emb(x, cos, sin, interleaved, seqlen_offsets=offs).double()
+    for b in range(2):
+        torch.testing.assert_close(got[b], rope_ref(x[b:b + 1], rot, interleaved=interleaved,
+                                                    positions=torch.arange(13) + offs[b])[0], atol=1e-5, rtol=1e-5)
+    cu = torch.tensor([0, 5, 13, 26], dtype=torch.int32)
+    packed = x.reshape(26, 3, 32)
+    got = apply_rotary_emb(packed, cos, sin, interleaved, cu_seqlens=cu, max_seqlen=13).double()
+    for s, e in zip(cu[:-1].tolist(), cu[1:].tolist()):
+        torch.testing.assert_close(got[s:e], rope_ref(packed[None, s:e], rot, interleaved=interleaved)[0], atol=1e-5, rtol=1e-5)
+
+
+def test_rotary_tables_stay_float32_after_half():
+    rope = RotaryEmbedding(32).half()  # the inv_freq buffer becomes float16; the tables must not
+    cos, _ = rope.cos_sin(4096, "cpu")
+    angle = torch.arange(4096, dtype=torch.float64)[:, None] / 10000.0 ** (torch.arange(0, 32, 2, dtype=torch.float64) / 32)
+    torch.testing.assert_close(cos.double(), torch.cos(angle), atol=2e-3, rtol=0)
+
+
+def test_rotary_errors():
+    with pytest.raises(ValueError, match="even"):
+        RotaryEmbedding(7)
+    cos, sin = RotaryEmbedding(8).cos_sin(4, "cpu")
+    with pytest.raises(ValueError, match="positions"):
+        apply_rotary_emb(torch.randn(1, 5, 1, 8), cos, sin)
+
+
+def test_alibi_slopes():
+    assert get_alibi_slopes(8) == pytest.approx([2.0 ** -(i + 1) for i in range(8)])
+    six = get_alibi_slopes(6)
+    assert six[:4] == pytest.approx(get_alibi_slopes(4)) and six[4:] == pytest.approx(get_alibi_slopes(8)[0:4:2])
+
+
+def test_flash_self_and_cross_attention_cpu():
+    qkv = torch.randn(2, 30, 3, 4, 16)
+    ours = FlashSelfAttention(causal=True)(qkv)
+    torch.testing.assert_close(ours, flash_attn_func(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], causal=True))
+    cu = torch.tensor([0, 30, 60], dtype=torch.int32)
+    packed = FlashSelfAttention(causal=True)(qkv.reshape(60, 3, 4, 16), cu_seqlens=cu, max_seqlen=30)
+    torch.testing.assert_close(packed.view(2, 30, 4, 16), ours)
+    q, kv = torch.randn(2, 20, 4, 16), torch.randn(2, 30, 2, 2, 16)
+    torch.testing.assert_close(FlashCrossAttention(window_size=(5, 5))(q, kv),
+                               flash_attn_func(q, kv[:, :, 0], kv[:, :, 1], window_size=(5, 5)))
+
+
+def mha_ref(m: MHA, x, x_kv=None, key_padding_mask=None, upcast=True):
+    """The MHA block from its weights in plain PyTorch (float64 with upcast)."""
+    dt = torch.float64 if upcast else x.dtype
+    p = {n: t.to(dt) for n, t in m.named_parameters()}
+    lin = lambda t, name: torch.nn.functional.linear(t.to(dt), p[name + ".weight"], p.get(name + ".bias"))
+    h, hk, d = m.num_heads, m.num_heads_kv, m.head_dim
+    if m.cross_attn:
+        q = lin(x, "Wq").unflatten(-1, (h, d))
+        kv = lin(x if x_kv is None else x_kv, "Wkv").unflatten(-1, (2, hk, d))
+        k, v = kv[:, :, 0], kv[:, :, 1]
+    else:
+        qkv = lin(x, "Wqkv")
+        q, k, v = qkv[..., : h * d], qkv[..., h * d: (h + hk) * d], qkv[..., (h + hk) * d:]
+        q, k, v = q.unflatten(-1, (h, d)), k.unflatten(-1, (hk, d)), v.unflatten(-1, (hk, d))
+    if m.rotary_emb_dim:
+        rot, inter = m.rotary_emb_dim, m.rotary_emb.interleaved
+        q, k = rope_ref(q, rot, interleaved=inter).to(dt), rope_ref(k, rot, interleaved=inter).to(dt)
+    inner = m.inner_attn
+    bias = None if key_padding_mask is None else key_padding_mask[:, None, None, :]
+    out, _ = attention_ref(q, k, v, causal=inner.causal, window_size=inner.window_size, upcast=upcast,
+                           softmax_scale=inner.softmax_scale, alibi_slopes=inner.alibi_slopes, attn_mask=bias)
+    return torch.nn.functional.linear(out.to(dt).flatten(-2), p["out_proj.weight"], p.get("out_proj.bias"))
+
+
+CASES = {
+    "plain": dict(),
+    "causal_rotary": dict(causal=True, rotary_emb_dim=16),
+    "rotary_interleaved_full": dict(rotary_emb_dim=32, rotary_emb_interleaved=True),
+    "gqa_rotary": dict(num_heads_kv=2, causal=True, rotary_emb_dim=8),
+    "mqa_window": dict(num_heads_kv=1, window_size=(7, 3)),
+    "alibi": dict(use_alibi=True, causal=True),
+    "cross": dict(cross_attn=True, num_heads_kv=2),
+}
+
+
+def make_mha(case, **kw):
+    m = MHA(128, 4, **CASES[case], **kw)
+    with torch.no_grad():
+        for t in m.parameters():
+            t.normal_(0, 0.1)
+    return m
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("padded", [False, True])
+def test_mha_matches_reference_cpu(case, padded):
+    m = make_mha(case)
+    x = torch.randn(2, 37, 128, requires_grad=True)
+    x_kv = torch.randn(2, 29, 128) if CASES[case].get("cross_attn") else None
+    kpm = None
+    if padded:
+        kpm = torch.ones(2, 29 if x_kv is not None else 37, dtype=torch.bool)
+        kpm[1, 20:] = False
+    out = m(x, x_kv=x_kv, key_padding_mask=kpm)
+    ref = mha_ref(m, x, x_kv, kpm)
+    torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=1e-4)
+    g = torch.randn_like(out)
+    grads = torch.autograd.grad(out, [x] + list(m.parameters()), g)
+    ref_grads = torch.autograd.grad(ref, [x] + list(m.parameters()), g.double())
+    for a, b in zip(grads, ref_grads):
+        torch.testing.assert_close(a.double(), b.double(), atol=2e-4, rtol=1e-3)
+
+
+@pytest.mark.parametrize("case", ["plain", "causal_rotary", "gqa_rotary"])
+def test_mha_packed_equals_each_sequence_cpu(case):
+    m = make_mha(case)
+    if case == "gqa_rotary":
+        m.rotary_emb_dim = 0  # rotary with GQA is not supported on packed input
+    lens = [5, 0, 17, 1, 30]
+    x = torch.randn(sum(lens), 128)
+    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
+    out = m(x, cu_seqlens=cu, max_seqlen=max(lens))
+    for s, e in zip(cu[:-1].tolist(), cu[1:].tolist()):
+        if e > s:
+            torch.testing.assert_close(out[s:e], m(x[None, s:e])[0], atol=1e-5, rtol=1e-5)
+
+
+def test_mha_options_and_errors():
+    m = MHA(64, 4, return_residual=True, checkpointing=True)
+    x = torch.randn(2, 9, 64, requires_grad=True)
+    out, res = m(x)
+    assert res is x
+    out.sum().backward()  # through the checkpoint
+    assert x.grad is not None
+    with pytest.raises(ValueError, match="divisible"):
+        MHA(65, 4)
+    with pytest.raises(ValueError, match="multiple of num_heads_kv"):
+        MHA(64, 4, num_heads_kv=3)
+    with pytest.raises(NotImplementedError, match="inference_params"):
+        MHA(64, 4)(x, inference_params=object())
+    with pytest.raises(ValueError, match="max_seqlen"):
+        MHA(64, 4)(x.view(18, 64), cu_seqlens=torch.tensor([0, 18], dtype=torch.int32))
+    with pytest.raises(ValueError, match="key_padding_mask"):
+        MHA(64, 4)(x, key_padding_mask=torch.ones(2, 8, dtype=torch.bool))
+
+
+def test_mha_torch_compile_fullgraph_cpu():
+    torch._dynamo.reset()
+    m = make_mha("gqa_rotary")
+    x = torch.randn(2, 37, 128, requires_grad=True)
+    explanation = torch._dynamo.explain(m)(x)
+    assert explanation.graph_break_count == 0
+    compiled = torch.compile(m, fullgraph=True, backend="aot_eager")
+    out = compiled(x)
+    out.sum().backward()
+    torch.testing.assert_close(out, m(x), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("case", list(CASES))
+def test_mha_tolerance_rule_gpu(dtype, case):
+    m = make_mha(case).cuda()
+    x = torch.randn(2, 200, 128, device="cuda")
+    x_kv = torch.randn(2, 150, 128, device="cuda") if CASES[case].get("cross_attn") else None
+    kpm = torch.ones(2, 150 if x_kv is not None else 200, dtype=torch.bool, device="cuda")
+    kpm[1, 100:] = False
+    ours_m = copy.deepcopy(m).to(dtype)
+    xs = x.to(dtype).requires_grad_()
+    out = ours_m(xs, x_kv=None if x_kv is None else x_kv.to(dtype), key_padding_mask=kpm)
+    x64 = x.double().requires_grad_()
+    ref = mha_ref(m, x64, x_kv, kpm)
+    xl = x.to(dtype).requires_grad_()
+    pt = mha_ref(ours_m, xl, None if x_kv is None else x_kv.to(dtype), kpm, upcast=False)
+    check_rule("out", out, ref, pt, dtype)
+    g = torch.randn_like(ref)
+    gx, = torch.autograd.grad(out, xs, g.to(dtype))
+    rx, = torch.autograd.grad(ref, x64, g)
+    px, = torch.autograd.grad(pt, xl, g.to(dtype))
+    check_rule("dx", gx, rx, px, dtype)
+    assert math.isfinite(out.float().sum().item())
