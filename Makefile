@@ -1,7 +1,7 @@
 # Two entry points for a fresh clone: `make demo` and `make test`. Both install what they need.
 PYTHON ?= python3
 PIP := $(PYTHON) -m pip
-DEPS := "setuptools>=64" "wheel" "torch==2.11.0" "numpy" "pytest" "ninja" "nvidia-cutlass" "matplotlib" "expecttest"
+DEPS := "setuptools>=64" "wheel" "torch==2.11.0" "numpy" "pytest" "ninja" "nvidia-cutlass" "matplotlib" "expecttest" "transformers>=5"
 
 .PHONY: deps build install test test-fast demo bench clean
 

@@ -1,0 +1,1 @@
+"""Glue to other libraries; each module imports its library only when used."""

@@ -1,0 +1,78 @@
+"""Our kernels as a Hugging Face `transformers` attention implementation.
+
+    from flash_attn.integrations.transformers import register
+    name = register()                     # "fa_exact"
+    model = AutoModel.from_config(config, attn_implementation=name)
+
+`register` adds an attention function to transformers' AttentionInterface and a mask function
+to its AttentionMaskInterface under the same name. For plain causal or bidirectional layers the
+mask function hands the attention the 2-D padding mask (batch, kv_length), True = a real token,
+which becomes a (batch, 1, 1, kv_length) bool attn_bias (no N x N tensor) next to the causal
+flag; any other pattern (sliding windows, packed sequences, custom mask functions) comes as
+transformers' 4-D boolean mask and is passed as it is. Fully masked query rows (left padding in
+a causal model) give 0, where eager attention averages over the masked keys. transformers is an
+optional dependency: nothing here imports it before `register` is called.
+"""
+
+from typing import Optional
+
+import torch
+
+from ..interface import flash_attn_func
+
+# transformers routes every implementation name containing "flash" to its own flash-attention
+# loaders, so ours goes without the word.
+NAME = "fa_exact"
+
+
+def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                      attention_mask: Optional[torch.Tensor], dropout: float = 0.0, scaling: Optional[float] = None,
+                      is_causal: Optional[bool] = None, sliding_window: Optional[int] = None,
+                      softcap: Optional[float] = None, **kwargs):
+    """transformers' attention-function signature: query (batch, heads, q_len, head_dim), key and
+    value (batch, kv_heads, kv_len, head_dim). Returns (out (batch, q_len, heads, head_dim), None)."""
+    q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
+    causal = is_causal if is_causal is not None else getattr(module, "is_causal", False)
+    bias = None
+    if attention_mask is not None:
+        if attention_mask.dim() == 2:  # padding: True / 1 = a real key
+            bias = attention_mask[:, -k.shape[1]:].bool()[:, None, None, :]
+        else:  # the full pattern (bool True = attend, or additive), causality included
+            bias, causal = attention_mask, False
+    window = (-1, -1)  # a 4-D mask holds any window already
+    if sliding_window is not None and (attention_mask is None or attention_mask.dim() == 2):
+        window = (sliding_window - 1, 0 if causal else sliding_window - 1)
+    out = flash_attn_func(q, k, v, dropout_p=dropout, softmax_scale=scaling, causal=bool(causal), window_size=window,
+                          softcap=softcap or 0.0, attn_bias=bias)
+    return out, None
+
+
+# Set by register() (imports inside traced functions would break torch.compile's graph).
+_PLAIN_MASKS: tuple = ()
+_sdpa_mask = None
+
+
+def _mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0, kv_offset: int = 0,
+          mask_function=None, attention_mask: Optional[torch.Tensor] = None, **kwargs):
+    if mask_function in _PLAIN_MASKS:
+        # The layer's own causal flag covers the pattern; only padding remains (no .all() check,
+        # so torch.compile sees no data-dependent branch).
+        return None if attention_mask is None else attention_mask[:, -kv_length:].bool()
+    kwargs.update(allow_is_causal_skip=False, allow_is_bidirectional_skip=False)  # a mask, never None
+    return _sdpa_mask(batch_size, q_length, kv_length, q_offset=q_offset, kv_offset=kv_offset,
+                      mask_function=mask_function, attention_mask=attention_mask, **kwargs)
+
+
+def register(name: str = NAME) -> str:
+    """Register the attention and mask functions with transformers under name (which must not
+    contain "flash"); returns name."""
+    if "flash" in name:
+        raise ValueError(f"register: transformers reserves names containing 'flash' for its own loaders, got {name!r}")
+    global _PLAIN_MASKS, _sdpa_mask
+    from transformers import AttentionInterface
+    from transformers import masking_utils
+    _PLAIN_MASKS = (masking_utils.causal_mask_function, masking_utils.bidirectional_mask_function)
+    _sdpa_mask = masking_utils.sdpa_mask
+    AttentionInterface.register(name, attention_forward)
+    masking_utils.AttentionMaskInterface.register(name, _mask)
+    return name

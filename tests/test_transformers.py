@@ -1,0 +1,119 @@
+"""Hugging Face transformers integration: BERT and GPT-2 built from configs (no download) with
+attn_implementation=register() against attn_implementation="eager" with the same weights,
+padding on either side; torch.compile(fullgraph=True) with no graph break; on the GPU the
+tolerance rule in bf16 and mode="reduce-overhead". Skipped without transformers."""
+
+import copy
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+from transformers import AutoModel, AutoModelForCausalLM, BertConfig, GPT2Config  # noqa: E402
+
+from flash_attn.integrations.transformers import register  # noqa: E402
+from reference import EPS  # noqa: E402
+
+transformers.utils.logging.set_verbosity_error()
+NAME = register()
+
+CONFIGS = {
+    "bert": lambda: BertConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=96,
+                               vocab_size=100, attention_probs_dropout_prob=0.0, hidden_dropout_prob=0.0),
+    "gpt2": lambda: GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=100, attn_pdrop=0.0, resid_pdrop=0.0,
+                               embd_pdrop=0.0, bos_token_id=0, eos_token_id=0),
+}
+
+
+def models(kind, device="cpu"):
+    """(eager, ours) with the same weights; each gets its own config (from_config writes the
+    implementation into the config it is given)."""
+    eager = AutoModel.from_config(CONFIGS[kind](), attn_implementation="eager").to(device)
+    ours = AutoModel.from_config(CONFIGS[kind](), attn_implementation=NAME).to(device)
+    ours.load_state_dict(eager.state_dict())
+    assert ours.config._attn_implementation == NAME and eager.config._attn_implementation == "eager"
+    return eager, ours
+
+
+def batch(padding, device="cpu", length=17):
+    ids = torch.randint(0, 100, (2, length), device=device)
+    mask = torch.ones(2, length, dtype=torch.long, device=device)
+    if padding == "right":
+        mask[1, length - 6:] = 0
+    elif padding == "left":
+        mask[1, :6] = 0
+    return ids, mask
+
+
+@pytest.mark.parametrize("kind", list(CONFIGS))
+@pytest.mark.parametrize("padding", ["none", "right", "left"])
+def test_matches_eager_cpu(kind, padding):
+    eager, ours = models(kind)
+    ids, mask = batch(padding)
+    real = mask.bool()
+    weight = torch.randn(2, 17, 64)
+    results = []
+    for m in (eager, ours):
+        hidden = m(input_ids=ids, attention_mask=None if padding == "none" else mask).last_hidden_state
+        loss = (hidden * weight)[real].sum()  # padded query rows differ by design (see the module)
+        grads = torch.autograd.grad(loss, list(m.parameters()), allow_unused=True)
+        results.append((hidden[real], grads))
+    (h_e, g_e), (h_o, g_o) = results
+    torch.testing.assert_close(h_o, h_e, atol=2e-5, rtol=1e-4)
+    for a, b in zip(g_o, g_e):
+        if a is not None or b is not None:
+            torch.testing.assert_close(a, b, atol=2e-4, rtol=1e-3)
+
+
+def test_register_rejects_flash_names():
+    with pytest.raises(ValueError, match="flash"):
+        register("flash_mine")
+
+
+def lm_step(model, ids, mask):
+    """Next-token loss from the logits (transformers' own loss_function breaks the graph)."""
+    logits = model(input_ids=ids, attention_mask=mask).logits
+    return torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten())
+
+
+def test_gpt2_training_step_compiles_fullgraph_cpu():
+    torch._dynamo.reset()
+    model = AutoModelForCausalLM.from_config(CONFIGS["gpt2"](), attn_implementation=NAME)
+    ids, mask = batch("right")
+    explanation = torch._dynamo.explain(lm_step)(model, ids, mask)
+    assert explanation.graph_break_count == 0, explanation.break_reasons
+    compiled = torch.compile(lm_step, fullgraph=True, backend="aot_eager")
+    loss = compiled(model, ids, mask)
+    loss.backward()
+    torch.testing.assert_close(loss, lm_step(model, ids, mask), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", list(CONFIGS))
+@pytest.mark.parametrize("padding", ["none", "right"])
+def test_bf16_tolerance_rule_gpu(kind, padding):
+    eager, ours = models(kind, "cuda")
+    ids, mask = batch(padding, "cuda", length=300)
+    am = None if padding == "none" else mask
+    ref = eager.double()(input_ids=ids, attention_mask=am).last_hidden_state
+    eager_lp = copy.deepcopy(eager).to(torch.bfloat16)
+    pt = eager_lp(input_ids=ids, attention_mask=am).last_hidden_state
+    out = ours.to(torch.bfloat16)(input_ids=ids, attention_mask=am).last_hidden_state
+    real = mask.bool()
+    err = (out.double() - ref)[real].abs().max().item()
+    pt_err = (pt.double() - ref)[real].abs().max().item()
+    assert err <= 2 * pt_err + EPS[torch.bfloat16] * ref[real].abs().max().item()
+
+
+@pytest.mark.gpu
+def test_gpt2_reduce_overhead_gpu():
+    torch._dynamo.reset()
+    model = AutoModelForCausalLM.from_config(CONFIGS["gpt2"](), attn_implementation=NAME).cuda()
+    ids, mask = batch("none", "cuda", length=256)
+    compiled = torch.compile(lm_step, mode="reduce-overhead", fullgraph=True)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        losses = [compiled(model, ids, None) for _ in range(3)]
+        for loss in losses:
+            assert torch.isfinite(loss)
+        eager_loss = lm_step(model, ids, None)
+    torch.testing.assert_close(losses[-1].float(), eager_loss.float(), atol=2e-2, rtol=2e-2)
