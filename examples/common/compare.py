@@ -1,0 +1,140 @@
+"""Run one training function twice (PyTorch's attention, then ours) in child processes, so each
+run's peak memory is its own, and report and plot the pair."""
+
+import argparse
+import glob
+import json
+import os
+import resource
+import subprocess
+import sys
+import sysconfig
+import time
+from typing import Callable, Tuple
+
+import torch
+
+from flash_attn import replace_attention
+
+
+def corpus(max_files: int = 2000) -> torch.Tensor:
+    """Text that ships with Python: its standard library's source, as one byte tensor."""
+    files = sorted(glob.glob(os.path.join(sysconfig.get_paths()["stdlib"], "**", "*.py"), recursive=True))
+    data = b"".join(open(f, "rb").read() for f in files[:max_files])
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8).long()
+
+
+def progress(step: int, total: int, text: str) -> None:
+    width, done = 30, int(30 * (step + 1) / total)
+    sys.stderr.write(f"\r  [{'#' * done}{'.' * (width - done)}] {step + 1}/{total} {text}")
+    if step + 1 == total:
+        sys.stderr.write("\n")
+    sys.stderr.flush()
+
+
+def peak_memory_mb(device: str) -> tuple:
+    if device == "cuda":
+        return torch.cuda.max_memory_allocated() / 2**20, "CUDA allocated"
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "process RSS"
+
+
+def train(model: torch.nn.Module, next_batch: Callable[[], Tuple[object, int]],
+          loss_of: Callable[[torch.nn.Module, object], torch.Tensor], steps: int, lr: float, attention: str,
+          device: str) -> dict:
+    """AdamW with a linear warm-up and gradient clipping, bf16 autocast on the GPU. next_batch()
+    gives (batch, tokens in it); loss_of(model, batch) the loss. Returns the run's record: per-step
+    losses, time per step and tokens/s without the first steps (warm-up), peak memory."""
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / max(1, steps // 10)))
+    amp = torch.autocast(device, dtype=torch.bfloat16, enabled=device == "cuda")
+    losses, times, tokens = [], [], []
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    for step in range(steps):
+        batch, n = next_batch()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        with amp:
+            loss = loss_of(model, batch)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        losses.append(loss.item())  # synchronises
+        times.append(time.perf_counter() - t0)
+        tokens.append(n)
+        progress(step, steps, f"{attention}: loss {losses[-1]:.3f}")
+    skip = min(5, steps // 2)
+    peak, kind = peak_memory_mb(device)
+    return dict(attention=attention, device=device, losses=losses, step_s=sum(times[skip:]) / len(times[skip:]),
+                tokens_per_s=sum(tokens[skip:]) / sum(times[skip:]), peak_mb=peak, peak_kind=kind)
+
+
+def start_run(seed: int, attention: str, build_model: Callable[[], torch.nn.Module]):
+    """A child's set-up: (model with our attention swapped in when attention == "ours", corpus,
+    batch generator, device), seeded so that both runs build the same weights and batches."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    torch.manual_seed(seed)
+    data = corpus()
+    model = build_model().to(device)
+    if attention == "ours":
+        replace_attention(model)
+    return model, data, torch.Generator().manual_seed(seed), device
+
+
+def add_run_args(ap, example: str, lr: float) -> None:
+    """The options every example takes: learning rate, seed, output folder, and the hidden --run."""
+    ap.add_argument("--lr", type=float, default=lr)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                                  example, "results"))
+    ap.add_argument("--run", choices=["ours", "torch"], help=argparse.SUPPRESS)
+
+
+def dispatch(args, script: str, run: Callable, keys: tuple, stem: str, title: str) -> None:
+    """In a child (--run given): run(args, attention) and print its record. In the parent: both
+    children with the options named by keys, then the report (run_pair)."""
+    if args.run:
+        print(json.dumps(run(args, args.run)))
+        return
+    child = [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in keys]
+    run_pair(script, child, args.out, stem, title)
+
+
+def run_pair(script: str, child_args: list, out_dir: str, stem: str, title: str) -> list:
+    """script --run torch / --run ours with child_args, each printing its summary as JSON; prints
+    the comparison and writes out_dir/stem.{json,png}."""
+    os.makedirs(out_dir, exist_ok=True)
+    results = []
+    for attention in ("torch", "ours"):
+        cmd = [sys.executable, script, "--run", attention] + child_args
+        results.append(json.loads(subprocess.run(cmd, check=True, stdout=subprocess.PIPE, text=True).stdout))
+    ref, ours = results
+    rel = max(abs(a - b) / abs(b) for a, b in zip(ours["losses"], ref["losses"]))
+    print(title)
+    for r in results:
+        print(f"  {r['attention']:5s}: final loss {r['losses'][-1]:.4f}, {r['step_s'] * 1e3:.1f} ms/step, "
+              f"{r['tokens_per_s']:,.0f} tokens/s, peak {r['peak_mb']:,.0f} MB ({r['peak_kind']})")
+    print(f"  largest per-step loss difference: {100 * rel:.3f}%; speed-up {ref['step_s'] / ours['step_s']:.2f}x")
+    with open(os.path.join(out_dir, stem + ".json"), "w") as f:
+        json.dump(dict(args=child_args, results=results, max_rel_loss_diff=rel), f)
+    plot(results, os.path.join(out_dir, stem + ".png"), title)
+    print(f"  plot: {os.path.join(out_dir, stem + '.png')}")
+    return results
+
+
+def plot(results: list, path: str, title: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for r, style in zip(results, ("-", "--")):
+        ax.plot(r["losses"], style, label=f"{r['attention']}: {r['tokens_per_s']:,.0f} tok/s, peak {r['peak_mb']:,.0f} MB")
+    ax.set_xlabel("step")
+    ax.set_ylabel("training loss")
+    ax.set_title(title, fontsize=10)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)

@@ -1,0 +1,99 @@
+"""GPT-2 trained twice from the same seed: with PyTorch's nn.MultiheadAttention (its default path)
+and with our kernels swapped in by flash_attn.replace_attention. Dropout is off, so the two runs
+compute the same function and their loss curves should lie on top of each other; the script
+prints and plots both, with tokens/s and peak memory of each.
+
+The corpus ships with Python: the source of its standard library, as bytes (a 256-token
+vocabulary; the 124M preset keeps GPT-2's 50304-row embedding, of which those 256 rows are used).
+
+    python examples/gpt2/train.py                      # a size that fits the machine: tiny on a CPU
+    python examples/gpt2/train.py --preset 124M --steps 200 --seqlen 1024 --batch 16   # the GPU check
+
+Each run is a subprocess of this script (--run ours|torch), so the peak memory is its own.
+"""
+
+import argparse
+import math
+import os
+import sys
+
+import torch
+from torch import nn
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "examples"))
+from common.compare import add_run_args, dispatch, start_run, train  # noqa: E402
+
+PRESETS = {  # n_layer, n_head, n_embd, vocab
+    "tiny": (2, 4, 128, 256),
+    "small": (6, 8, 384, 256),
+    "124M": (12, 12, 768, 50304),
+}
+
+
+class Block(nn.Module):
+    def __init__(self, dim, heads):
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.attn = nn.MultiheadAttention(dim, heads, dropout=0.0, batch_first=True)
+        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(approximate="tanh"), nn.Linear(4 * dim, dim))
+
+    def forward(self, x, causal_mask):
+        h = self.ln1(x)
+        x = x + self.attn(h, h, h, attn_mask=causal_mask, is_causal=True, need_weights=False)[0]
+        return x + self.mlp(self.ln2(x))
+
+
+class GPT2(nn.Module):
+    def __init__(self, n_layer, n_head, n_embd, vocab, seqlen):
+        super().__init__()
+        self.wte, self.wpe = nn.Embedding(vocab, n_embd), nn.Embedding(seqlen, n_embd)
+        self.blocks = nn.ModuleList(Block(n_embd, n_head) for _ in range(n_layer))
+        self.ln_f = nn.LayerNorm(n_embd)
+        self.lm_head = nn.Linear(n_embd, vocab, bias=False)
+        self.lm_head.weight = self.wte.weight  # tied, as in GPT-2
+        self.register_buffer("causal_mask", nn.Transformer.generate_square_subsequent_mask(seqlen), persistent=False)
+        for name, p in self.named_parameters():  # GPT-2's initialisation
+            if p.dim() > 1:
+                nn.init.normal_(p, 0.0, 0.02 / (math.sqrt(2 * n_layer) if name.endswith(("out_proj.weight", "mlp.2.weight")) else 1))
+
+    def forward(self, idx):
+        t = idx.shape[1]
+        x = self.wte(idx) + self.wpe(torch.arange(t, device=idx.device))
+        mask = self.causal_mask[:t, :t]
+        for block in self.blocks:
+            x = block(x, mask)
+        return self.lm_head(self.ln_f(x))
+
+
+def run(args, attention: str) -> dict:
+    model, data, gen, device = start_run(args.seed, attention, lambda: GPT2(*PRESETS[args.preset], args.seqlen))
+
+    def next_batch():
+        starts = torch.randint(0, data.numel() - args.seqlen - 1, (args.batch,), generator=gen)
+        return torch.stack([data[s:s + args.seqlen + 1] for s in starts.tolist()]).to(device), args.batch * args.seqlen
+
+    def loss_of(model, chunk):
+        logits = model(chunk[:, :-1])
+        return nn.functional.cross_entropy(logits.float().flatten(0, 1), chunk[:, 1:].flatten())
+
+    return train(model, next_batch, loss_of, args.steps, args.lr, attention, device)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    gpu = torch.cuda.is_available()
+    ap.add_argument("--preset", choices=list(PRESETS), default="124M" if gpu else "tiny")
+    ap.add_argument("--steps", type=int, default=100 if gpu else 60)
+    ap.add_argument("--seqlen", type=int, default=1024 if gpu else 128)
+    ap.add_argument("--batch", type=int, default=8 if gpu else 8)
+    add_run_args(ap, "gpt2", lr=6e-4)
+    args = ap.parse_args()
+    device = "cuda" if gpu else "cpu"
+    dispatch(args, os.path.abspath(__file__), run, ("preset", "steps", "seqlen", "batch", "lr", "seed"),
+             f"gpt2_{args.preset}_{device}", f"GPT-2 {args.preset} on {device}, seqlen {args.seqlen}, batch {args.batch}, {args.steps} steps")
+
+
+if __name__ == "__main__":
+    main()
