@@ -5,7 +5,7 @@ Same names, constructor arguments, parameter names and layouts, so code written 
 runs unchanged; the options that only select another implementation there are accepted."""
 
 import math
-from typing import List, Optional
+from typing import List
 
 import torch
 from torch import nn
