@@ -2,7 +2,6 @@
 // the CUDA kernels, so the two walk exactly the same tiles.
 #pragma once
 
-#include <algorithm>
 #include <cstdint>
 
 #include "flash_params.h"
@@ -52,20 +51,36 @@ struct TileSeq {
   }
 };
 
-// How many of the kept blocks' tiles (kPer per block, at positions ascending with the tile) lie
-// below tile `bound`: the sum over kept blocks b of clamp(bound - b kPer, 0, kPer). On the GPU the
-// lanes of a warp (which must all be active) split the list, so its loads go out together.
+// Over the kept blocks (ascending; kPer tiles each), how many of their tiles lie below tile `begin`
+// and below tile `end` (the sum over kept blocks b of clamp(bound - b kPer, 0, kPer)), and whether
+// the blocks are consecutive: block i - i is the same for every i (then it is the first block).
+// One pass over the list; on the GPU the lanes of a warp (which must all be active) split it, so
+// its loads go out together.
 template <int kPer>
-FLASH_HOST_DEVICE int tiles_below(const int32_t* blocks, int n, int bound) {
-  int below = 0;
+struct KeptTiles {
+  int below_begin = 0, below_end = 0;
+  int run_lo = 0x7fffffff, run_hi = -0x7fffffff;  // min and max of block i - i
+
+  FLASH_HOST_DEVICE KeptTiles(const int32_t* blocks, int n, int begin, int end) {
 #ifdef __CUDA_ARCH__
-  for (int i = threadIdx.x % 32; i < n; i += 32) below += min(max(bound - blocks[i] * kPer, 0), kPer);
-  return __reduce_add_sync(0xffffffffu, below);
+    for (int i = threadIdx.x % 32; i < n; i += 32) add(blocks[i], i, begin, end);
+    below_begin = __reduce_add_sync(0xffffffffu, below_begin);
+    below_end = __reduce_add_sync(0xffffffffu, below_end);
+    run_lo = __reduce_min_sync(0xffffffffu, run_lo);
+    run_hi = __reduce_max_sync(0xffffffffu, run_hi);
 #else
-  for (int i = 0; i < n; ++i) below += std::min(std::max(bound - blocks[i] * kPer, 0), kPer);
-  return below;
+    for (int i = 0; i < n; ++i) add(blocks[i], i, begin, end);
 #endif
-}
+  }
+  FLASH_HOST_DEVICE bool consecutive() const { return run_lo >= run_hi; }  // (empty lists too)
+  FLASH_HOST_DEVICE void add(int block, int i, int begin, int end) {
+    const int t = block * kPer;
+    below_begin += begin <= t ? 0 : begin >= t + kPer ? kPer : begin - t;
+    below_end += end <= t ? 0 : end >= t + kPer ? kPer : end - t;
+    run_lo = run_lo < block - i ? run_lo : block - i;
+    run_hi = run_hi > block - i ? run_hi : block - i;
+  }
+};
 
 // list: a row from kept_key_blocks / kept_query_blocks, or nullptr.
 template <int kTile>
@@ -75,9 +90,11 @@ FLASH_HOST_DEVICE TileSeq tile_seq(const int32_t* list, int begin, int end) {
   if (list == nullptr) return TileSeq{nullptr, 0, begin, end - begin};
   constexpr int kPer = kMaskBlock / kTile, kLog2Per = kPer == 1 ? 0 : kPer == 2 ? 1 : kPer == 4 ? 2 : 3;
   static_assert((1 << kLog2Per) == kPer, "tiles per mask block: 1, 2, 4 or 8");
-  const int n = list[0];
-  const int lo = tiles_below<kPer>(list + 1, n, begin);
-  return TileSeq{list + 1, kLog2Per, lo, tiles_below<kPer>(list + 1, n, end) - lo};
+  const KeptTiles<kPer> kept(list + 1, list[0], begin, end);
+  const int count = kept.below_end - kept.below_begin;
+  // Consecutive kept blocks (a full row, a band) are walked as a plain range: no list reads per tile.
+  if (kept.consecutive()) return TileSeq{nullptr, 0, count > 0 ? kept.run_lo * kPer + kept.below_begin : begin, count};
+  return TileSeq{list + 1, kLog2Per, kept.below_begin, count};
 }
 
 // Walks a TileSeq with the current and the next tile in registers and the one after already

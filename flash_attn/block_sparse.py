@@ -56,6 +56,7 @@ class BlockSparseMask:
     q_lists: int32 (B, H, q_blocks, 1 + k_blocks): per query block, the count of kept key blocks,
         then their indices ascending, padded with -1 (q_counts / q_indices are views of it).
     k_lists: int32 (B, H, k_blocks, 1 + q_blocks): the same per key block over query blocks.
+    full: every block is kept (from_layout sets it), so the kernels may run as dense attention.
     """
 
     layout: torch.Tensor
@@ -63,6 +64,7 @@ class BlockSparseMask:
     seqlen_k: int
     q_lists: torch.Tensor
     k_lists: torch.Tensor
+    full: bool = False
 
     @property
     def q_counts(self) -> torch.Tensor:
@@ -99,11 +101,12 @@ class BlockSparseMask:
                              f"seqlen_k={seqlen_k} at block size {bm} x {bn}, got {tuple(layout.shape[-2:])}")
         fine = layout.repeat_interleave(bm // BLOCK_SIZE, dim=-2).repeat_interleave(bn // BLOCK_SIZE, dim=-1)
         fine = fine[..., :_num_blocks(seqlen_q), :_num_blocks(seqlen_k)].contiguous()
-        return BlockSparseMask(fine, seqlen_q, seqlen_k, _index_lists(fine), _index_lists(fine.transpose(-1, -2)))
+        return BlockSparseMask(fine, seqlen_q, seqlen_k, _index_lists(fine), _index_lists(fine.transpose(-1, -2)),
+                               bool(fine.all()))
 
     def to(self, device: Union[str, torch.device]) -> "BlockSparseMask":
         return BlockSparseMask(self.layout.to(device), self.seqlen_q, self.seqlen_k, self.q_lists.to(device),
-                               self.k_lists.to(device))
+                               self.k_lists.to(device), self.full)
 
     @property
     def device(self) -> torch.device:

@@ -1,6 +1,7 @@
 """Block-sparse attention (CPU always; CUDA on the device) against the float64 reference with the
 element-wise mask the block layout expands to: output, logsumexp and every gradient."""
 
+import dataclasses
 import math
 
 import pytest
@@ -128,17 +129,22 @@ def test_deterministic_backward(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_full_layout_equals_dense(device):
-    # With every block kept the kernels visit the dense tiles in the dense order: identical results.
+@pytest.mark.parametrize("through_the_mask", [False, True])
+def test_full_layout_equals_dense(device, through_the_mask):
+    # A full layout runs the dense kernels (full=True, what from_layout sets); through the mask
+    # (full=False) the sparse kernels visit the dense tiles in the dense order: identical results.
     q, k, v = make(2, 333, 777, 4, 2, 64, dtypes_of(device)[0], device)
     full = BlockSparseMask.from_layout(torch.ones(blocks(333), blocks(777), dtype=torch.bool), 333, 777).to(device)
+    assert full.full and not BlockSparseMask.from_layout(torch.eye(3, 7, dtype=torch.bool), 333, 777).full
+    if through_the_mask:
+        full = dataclasses.replace(full, full=False)
     for causal in (False, True):
         ours = flash_attn_blocksparse_func(q, k, v, full, causal=causal, deterministic=True)
         dense = flash_attn_func(q, k, v, causal=causal, deterministic=True)
         g1 = torch.autograd.grad(ours, (q, k, v), torch.ones_like(ours))
         g2 = torch.autograd.grad(dense, (q, k, v), torch.ones_like(dense))
         for a, b in zip((ours,) + g1, (dense,) + g2):
-            if device == "cuda":
+            if device == "cuda" or not through_the_mask:
                 assert torch.equal(a, b)
             else:  # the CPU tiles a masked call at 128 x 128, its dense one at 256 x 512: close, not equal
                 torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-3)
