@@ -6,7 +6,9 @@ FLOPs: fwd = 4 b h s^2 d (halved for causal), bwd = 2.5 x fwd. Times are medians
 timings after warm-up; bwd = (fwd+bwd) - fwd. Peak memory is what fwd+bwd allocates beyond the
 inputs. Writes JSON (--out) and a PNG plot of TFLOP/s against seqlen (--plot).
 Impl "ours_portable" is ours with FLASH_ATTN_DISABLE_SM90=1: the sm80-style kernels on a Hopper GPU;
-"ours_sync" is ours with FLASH_ATTN_SM90_FWD_SYNC=1: the sm90 forward without warp specialization.
+"ours_sync" is ours with FLASH_ATTN_SM90_FWD_SYNC=1: the sm90 forward without warp specialization;
+"ours_per_tile" is ours with FLASH_ATTN_SM90_FWD_PERSISTENT=0: the warp-specialized forward with a
+CTA per tile instead of a persistent one.
 """
 
 import argparse
@@ -25,8 +27,9 @@ from flash_attn import flash_attn_func  # noqa: E402
 SDPA = {"fa2": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
         "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
-ENV_IMPLS = {"ours_portable": ("FLASH_ATTN_DISABLE_SM90",),
-             "ours_sync": ("FLASH_ATTN_SM90_FWD_SYNC",)}
+ENV_IMPLS = {"ours_portable": {"FLASH_ATTN_DISABLE_SM90": "1"},
+             "ours_sync": {"FLASH_ATTN_SM90_FWD_SYNC": "1"},
+             "ours_per_tile": {"FLASH_ATTN_SM90_FWD_PERSISTENT": "0"}}
 
 
 def make_fn(impl, b, s, h, d, dtype, causal):
@@ -65,7 +68,7 @@ def median_ms(fn, reps, budget_ms=300.0, max_reps=200):
 
 def measure(impl, b, s, h, d, dtype, causal):
     if impl in ENV_IMPLS:
-        os.environ.update({var: "1" for var in ENV_IMPLS[impl]})
+        os.environ.update(ENV_IMPLS[impl])
         try:
             return measure("ours", b, s, h, d, dtype, causal)
         finally:

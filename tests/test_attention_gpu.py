@@ -298,3 +298,41 @@ def test_compile_and_cuda_graphs(dropout_p):
     assert torch.isfinite(x.grad).all()
     if dropout_p == 0:
         torch.testing.assert_close(out, step(x), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9),
+                    reason="Hopper (sm_90) only")
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("case", ["dense", "causal", "window", "gqa", "varlen", "block_sparse"])
+def test_persistent_forward_equals_a_cta_per_tile(case, d, monkeypatch):
+    # More (query block, head, batch) tiles than SMs, so the persistent forward's CTAs claim tiles
+    # from its counter and carry Q and the K/V ring from tile to tile. Each tile's arithmetic is
+    # the same as with one CTA per tile (FLASH_ATTN_SM90_FWD_PERSISTENT=0): equal bit for bit, and
+    # so with the CTAs capped at three.
+    from flash_attn import BlockSparseMask, flash_attn_blocksparse_func, flash_attn_varlen_func
+    torch.manual_seed(0)
+    q, k, v = make(3, 1500, 1300, 8, 2 if case == "gqa" else 8, d, torch.bfloat16)
+    if case == "varlen":
+        lens = torch.tensor([0, 1, 700, 1500, 129, 2000])
+        cu = torch.cat([torch.zeros(1), lens.cumsum(0)]).int().cuda()
+        qp, kp, vp = (torch.randn(int(lens.sum()), 8, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+        run = lambda: flash_attn_varlen_func(qp, kp, vp, cu, cu, 2000, 2000, causal=True, return_attn_probs=True)[:2]
+    elif case == "block_sparse":
+        layout = torch.rand(3, 8, 12, 11) < 0.4
+        layout[:, :, 2] = False  # a query block that keeps nothing
+        layout[:, :, 5] = True  # one that keeps everything
+        mask = BlockSparseMask.from_layout(layout, 1500, 1300).to("cuda")
+        run = lambda: flash_attn_blocksparse_func(q, k, v, mask, causal=True, return_attn_probs=True)[:2]
+    else:
+        kw = dict(causal=case in ("causal", "gqa"), window_size=(300, 100) if case == "window" else (-1, -1))
+        run = lambda: flash_attn_func(q, k, v, return_attn_probs=True, **kw)[:2]
+        check_against_reference(q, k, v, **kw)
+    names = kernel_names(run)
+    assert any("flash_fwd_sm90_ws_kernel<" in n for n in names), names
+    persistent = run()
+    monkeypatch.setenv("FLASH_ATTN_SM90_FWD_PERSISTENT", "3")  # three CTAs: a hundred tiles or more each
+    three_ctas = run()
+    monkeypatch.setenv("FLASH_ATTN_SM90_FWD_PERSISTENT", "0")
+    per_tile = run()
+    for a, b, c in zip(persistent, three_ctas, per_tile):
+        assert torch.equal(a, c) and torch.equal(b, c)

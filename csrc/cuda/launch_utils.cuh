@@ -42,6 +42,14 @@ inline bool sm90_path_enabled() {
   return major == 9;
 }
 
+// Streaming multiprocessors of the current GPU (a persistent kernel launches one CTA per SM).
+inline int sm_count() {
+  int device = 0, n = 0;
+  C10_CUDA_CHECK(cudaGetDevice(&device));
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device));
+  return n;
+}
+
 template <typename Kernel>
 void set_smem_limit(Kernel kernel, int bytes) {
   if (bytes <= 48 * 1024) return;

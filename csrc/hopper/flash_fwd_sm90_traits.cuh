@@ -66,9 +66,18 @@ struct FwdSm90WsTraits : FwdSm90Traits<Elem_, kHeadDim_, 128, kBlockN_, 1, kStag
       cute::make_tensor(cute::make_gmem_ptr(static_cast<const CElem*>(nullptr)), GmemShape{}, GmemStride{}),
       SmemLayoutKVStage{}));
   static constexpr uint32_t kQBytes = Base::kSmemQ * sizeof(CElem), kKVBytes = Base::kSmemKV / kStages_ * sizeof(CElem);
-  // Full/empty mbarriers: one for Q, then per stage K full, V full, K empty, V empty.
-  static constexpr int kNBarriers = 1 + 4 * kStages_;
-  static constexpr int kSmemBytes = Base::kSmemBytes + kNBarriers * 8;
+  // Full/empty mbarriers: per Q buffer, per K/V stage (K full, V full, K empty, V empty), and per
+  // slot of the two-slot tile schedule; then the schedule's two tile indices.
+  static constexpr int kNBarriers(int q_bufs) { return 2 * q_bufs + 4 * kStages_ + 4; }
+  static constexpr int bytes_with(int q_bufs) {
+    return Base::kSmemBytes + (q_bufs - 1) * kQBytes + kNBarriers(q_bufs) * 8 + 2 * 4;
+  }
+  // Two Q buffers where sm_90's 227 KB allow (head dims up to 224), so a CTA loads its next tile's
+  // Q while it computes this one; one above.
+  static constexpr int kQBufs = bytes_with(2) <= 227 * 1024 ? 2 : 1;
+  static constexpr int kSmemBytes = bytes_with(kQBufs);
+  using SmemLayoutQs = decltype(cute::tile_to_shape(
+      typename Base::Atom{}, cute::Shape<cute::Int<Base::kBlockM>, cute::Int<Base::kHeadDim>, cute::Int<kQBufs>>{}));
 };
 
 }  // namespace flash::hopper

@@ -1,6 +1,8 @@
 // The warp-specialized sm90 forward (FlashAttention-3's schedule): a producer warpgroup streams Q
-// once and K, V tiles through a ring of shared-memory stages with TMA, each stage guarded by
-// full/empty mbarriers; two consumer warpgroups (64 query rows each) run the MMAs and the softmax.
+// and K, V tiles through shared memory with TMA, each buffer guarded by full/empty mbarriers; two
+// consumer warpgroups (64 query rows each) run the MMAs and the softmax. The kernel is persistent:
+// each CTA takes (query block, head, batch) tiles until none are left, and the Q buffers and the
+// K/V ring carry on from tile to tile, so one tile's loads and start overlap the last one's end.
 // Two overlaps hide the softmax behind the tensor cores:
 // - within a warpgroup, S_j = Q K_j^T is issued together with O += P_{j-1} V_{j-1}, and the
 //   softmax of S_j runs while the latter is in flight;
@@ -17,13 +19,28 @@
 
 namespace flash::hopper {
 
-// The kernel's parameters: the op's, plus the TMA descriptors the launcher built for q, k and v.
+// The kernel's parameters: the op's, plus the TMA descriptors the launcher built for q, k and v,
+// and the tile schedule: num_tiles (query block, head, batch) tiles, the first gridDim.x taken in
+// CTA order and the rest claimed from tile_counter (zeroed by the launcher; unused, and may be
+// null, when there are no more tiles than CTAs).
 template <typename T>
 struct FwdSm90WsParams {
   FwdParams p;
   typename T::TmaQ tma_q;
   typename T::TmaKV tma_k, tma_v;
+  int num_tiles;
+  int* tile_counter;
 };
+
+// Tile t in the order a grid of (query blocks, heads, batches) CTAs would run: the last query
+// block first (the longest under causal), then heads, then batches.
+struct FwdTile {
+  int m_block, h, b;
+};
+__device__ __forceinline__ FwdTile fwd_tile(int t, int num_m_blocks, int heads) {
+  const int bh = t / num_m_blocks;
+  return FwdTile{num_m_blocks - 1 - (t - bh * num_m_blocks), bh % heads, bh / heads};
+}
 
 // kBlockSparse: as in flash_fwd_sm90_kernel.
 template <typename T, bool kBlockSparse>
@@ -33,65 +50,103 @@ __global__ void __launch_bounds__(T::kNThreads, 1) flash_fwd_sm90_ws_kernel(cons
   using Elem = typename T::Elem;
   using CElem = typename T::CElem;
   using Barrier = cutlass::arch::ClusterTransactionBarrier;
-  constexpr int kD = T::kHeadDim, kM = T::kBlockM, kN = T::kBlockN, kStages = T::kStages;
+  constexpr int kD = T::kHeadDim, kM = T::kBlockM, kN = T::kBlockN, kStages = T::kStages, kQBufs = T::kQBufs;
   extern __shared__ char smem_raw[];
   CElem* sq_ptr = aligned_smem<T::kSmemAlign, CElem>(smem_raw);
-  CElem* sk_ptr = sq_ptr + T::kSmemQ;
+  CElem* sk_ptr = sq_ptr + kQBufs * T::kSmemQ;
   CElem* sv_ptr = sk_ptr + T::kSmemKV;
   uint64_t* q_full = reinterpret_cast<uint64_t*>(sv_ptr + T::kSmemKV);
-  uint64_t* k_full = q_full + 1;
+  uint64_t* q_empty = q_full + kQBufs;
+  uint64_t* k_full = q_empty + kQBufs;
   uint64_t* v_full = k_full + kStages;
   uint64_t* k_empty = v_full + kStages;
   uint64_t* v_empty = k_empty + kStages;
-  Tensor sQ = make_tensor(make_smem_ptr(sq_ptr), typename T::SmemLayoutQ{});
+  uint64_t* sched_full = v_empty + kStages;
+  uint64_t* sched_empty = sched_full + 2;
+  int* sched_tile = reinterpret_cast<int*>(sched_empty + 2);
+  Tensor sQ = make_tensor(make_smem_ptr(sq_ptr), typename T::SmemLayoutQs{});
   Tensor sK = make_tensor(make_smem_ptr(sk_ptr), typename T::SmemLayoutKV{});
   Tensor sV = make_tensor(make_smem_ptr(sv_ptr), typename T::SmemLayoutKV{});
   Tensor sVt = make_tensor(make_smem_ptr(sv_ptr), typename T::SmemLayoutVt{});
 
-  // Last query block first (see flash_fwd_kernel).
-  const int m_block = gridDim.x - 1 - blockIdx.x, m0 = m_block * kM, h = blockIdx.y, b = blockIdx.z;
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   constexpr int kConsumerWarps = T::kNConsumerThreads / 32;
-  const FwdParams p = seq_view(args.p, b);
-  if (m0 >= p.seqlen_q) return;  // varlen: past this sequence's rows
+  const int num_m_blocks = (args.p.seqlen_q + kM - 1) / kM;
   if (tid == 0) {
-    Barrier::init(q_full, 1);
+    for (int i = 0; i < kQBufs; ++i) {
+      Barrier::init(q_full + i, 1);
+      Barrier::init(q_empty + i, kConsumerWarps);
+    }
     for (int s = 0; s < kStages; ++s) {
       Barrier::init(k_full + s, 1);
       Barrier::init(v_full + s, 1);
       Barrier::init(k_empty + s, kConsumerWarps);
       Barrier::init(v_empty + s, kConsumerWarps);
     }
+    for (int i = 0; i < 2; ++i) {
+      Barrier::init(sched_full + i, 1);
+      Barrier::init(sched_empty + i, kConsumerWarps);
+    }
     cutlass::arch::fence_barrier_init();
   }
-  // Every warp walks the same tiles (with a mask, each warp's lanes count its list together).
-  const TileSeq tiles = cuda::key_tiles<kN, kBlockSparse>(p, b, h, m0, kM);
   __syncthreads();
 
-  if (warp < 4) {  // producer warpgroup: one thread issues every copy
+  // Both roles walk the same tiles and count the same Q loads (q_count) and K/V stages (kv), so
+  // every barrier's phase follows from the counts; the j-th tile goes through schedule slot j % 2.
+  // A fresh barrier passes a wait on parity 1 at once, so the first waits on "empty" pass.
+  if (warp < 4) {  // producer warpgroup: warp 0 schedules (lane 0 issues every copy)
     cutlass::arch::warpgroup_reg_dealloc<T::kProducerRegs>();
-    if (warp != 0 || lane != 0 || tiles.count == 0) return;
-    const int hk = h / p.h_h_k_ratio;
-    Tensor gQ = local_tile(tma_rows(args.tma_q, q_view(p), p.q_row0, h, b), Shape<Int<kM>, Int<kD>>{},
-                           make_coord(m_block, 0));
-    Tensor gK = local_tile(tma_rows(args.tma_k, k_view(p), p.k_row0, hk, b), Shape<Int<kN>, Int<kD>>{},
-                           make_coord(_, 0));  // (kN, kD, tile)
-    Tensor gV = local_tile(tma_rows(args.tma_v, v_view(p), p.k_row0, hk, b), Shape<Int<kN>, Int<kD>>{},
-                           make_coord(_, 0));
-    auto [tQg, tQs] = tma_partition(args.tma_q, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
-    auto [tKg, tKs] = tma_partition(args.tma_k, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
-    auto [tVg, tVs] = tma_partition(args.tma_v, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sV), group_modes<0, 2>(gV));
-    Barrier::arrive_and_expect_tx(q_full, T::kQBytes);
-    copy(args.tma_q.with(*q_full), tQg, tQs);
-    for (int it = 0; it < tiles.count; ++it) {
-      const int stage = it % kStages, nb = tiles[it];
-      const uint32_t phase = (it / kStages) & 1;
-      Barrier::wait(k_empty + stage, phase ^ 1);  // a fresh barrier passes parity 1 at once
-      Barrier::arrive_and_expect_tx(k_full + stage, T::kKVBytes);
-      copy(args.tma_k.with(k_full[stage]), tKg(_, nb), tKs(_, stage));
-      Barrier::wait(v_empty + stage, phase ^ 1);
-      Barrier::arrive_and_expect_tx(v_full + stage, T::kKVBytes);
-      copy(args.tma_v.with(v_full[stage]), tVg(_, nb), tVs(_, stage));
+    if (warp != 0) return;
+    int t = blockIdx.x, q_count = 0, kv = 0;
+    for (int j = 0;; ++j) {
+      if (lane == 0) {
+        Barrier::wait(sched_empty + (j & 1), ((j >> 1) & 1) ^ 1);
+        sched_tile[j & 1] = t;
+        Barrier::arrive(sched_full + (j & 1));  // (release: the index is visible to its waiters)
+      }
+      if (t >= args.num_tiles) break;
+      const FwdTile tile = fwd_tile(t, num_m_blocks, args.p.h);
+      const int m0 = tile.m_block * kM, h = tile.h, b = tile.b;
+      const FwdParams p = seq_view(args.p, b);
+      // (With a mask, the warp's lanes count the tile list together.)
+      const TileSeq tiles = m0 < p.seqlen_q ? cuda::key_tiles<kN, kBlockSparse>(p, b, h, m0, kM) : TileSeq{};
+      if (m0 < p.seqlen_q && tiles.count > 0) {
+        if (lane == 0) {
+          const int hk = h / p.h_h_k_ratio;
+          Tensor gQ = local_tile(tma_rows(args.tma_q, q_view(p), p.q_row0, h, b), Shape<Int<kM>, Int<kD>>{},
+                                 make_coord(tile.m_block, 0));
+          Tensor gK = local_tile(tma_rows(args.tma_k, k_view(p), p.k_row0, hk, b), Shape<Int<kN>, Int<kD>>{},
+                                 make_coord(_, 0));  // (kN, kD, tile)
+          Tensor gV = local_tile(tma_rows(args.tma_v, v_view(p), p.k_row0, hk, b), Shape<Int<kN>, Int<kD>>{},
+                                 make_coord(_, 0));
+          auto [tQg, tQs] =
+              tma_partition(args.tma_q, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
+          auto [tKg, tKs] =
+              tma_partition(args.tma_k, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
+          auto [tVg, tVs] =
+              tma_partition(args.tma_v, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sV), group_modes<0, 2>(gV));
+          const int qbuf = q_count % kQBufs;
+          Barrier::wait(q_empty + qbuf, ((q_count / kQBufs) & 1) ^ 1);  // its last tile's S MMAs are done
+          Barrier::arrive_and_expect_tx(q_full + qbuf, T::kQBytes);
+          copy(args.tma_q.with(q_full[qbuf]), tQg, tQs(_, qbuf));
+          for (int it = 0; it < tiles.count; ++it) {
+            const int stage = (kv + it) % kStages, nb = tiles[it];
+            const uint32_t phase = ((kv + it) / kStages) & 1;
+            Barrier::wait(k_empty + stage, phase ^ 1);
+            Barrier::arrive_and_expect_tx(k_full + stage, T::kKVBytes);
+            copy(args.tma_k.with(k_full[stage]), tKg(_, nb), tKs(_, stage));
+            Barrier::wait(v_empty + stage, phase ^ 1);
+            Barrier::arrive_and_expect_tx(v_full + stage, T::kKVBytes);
+            copy(args.tma_v.with(v_full[stage]), tVg(_, nb), tVs(_, stage));
+          }
+        }
+        ++q_count;
+        kv += tiles.count;
+      }
+      // The next tile, claimed once this one's loads are queued: the CTA that gets there first
+      // takes it, so long and short tiles spread over the SMs as a grid's blocks would.
+      if (lane == 0) t = args.num_tiles > int(gridDim.x) ? atomicAdd(args.tile_counter, 1) + int(gridDim.x) : args.num_tiles;
+      t = __shfl_sync(0xffffffffu, t, 0);
     }
     return;
   }
@@ -99,12 +154,11 @@ __global__ void __launch_bounds__(T::kNThreads, 1) flash_fwd_sm90_ws_kernel(cons
   // Consumer warpgroups 0 and 1 (threads 128..383).
   cutlass::arch::warpgroup_reg_alloc<T::kConsumerRegs>();
   const int ctid = tid - 128, cwarp = ctid / 32, wg = ctid / 128;
-  const int i16 = m0 + cwarp * 16;  // this warp's 16 query rows
   typename T::TiledMmaS mma_s;
   typename T::TiledMmaO mma_o;
   auto thr_s = mma_s.get_thread_slice(ctid);
   auto thr_o = mma_o.get_thread_slice(ctid);
-  Tensor tSrQ = thr_s.partition_fragment_A(sQ);
+  Tensor tSrQ = thr_s.partition_fragment_A(sQ);  // (MMA, M, K, Q buffer)
   Tensor tSrK = thr_s.partition_fragment_B(sK);
   Tensor tOrVt = thr_o.partition_fragment_B(sVt);
   Tensor tSrS = partition_fragment_C(mma_s, Shape<Int<kM>, Int<kN>>{});
@@ -112,57 +166,87 @@ __global__ void __launch_bounds__(T::kNThreads, 1) flash_fwd_sm90_ws_kernel(cons
   Tensor tOrP = thr_o.partition_fragment_A(make_tensor(make_smem_ptr(sq_ptr), Layout<Shape<Int<kM>, Int<kN>>>{}));
   float(&s)[kN / 8][4] = as_rows16<kN>(tSrS);
   float(&acc)[kD / 8][4] = as_rows16<kD>(tOrO);
-  cuda::zero<kD>(acc);
-  float m[2] = {cuda::kNegInf, cuda::kNegInf}, l[2] = {0.f, 0.f}, alpha[2];
 
   // Ping-pong: a warpgroup waits for its turn before issuing MMAs and hands the turn over after.
+  // Both warpgroups take one turn per key tile of the same tiles, so the turns alternate from tile
+  // to tile, and one warpgroup's output store and next tile's start overlap the other's MMAs.
   using cutlass::arch::NamedBarrier;
   const auto my_turn = [&] { NamedBarrier::sync(T::kNConsumerThreads, 1 + wg); };
   const auto pass_turn = [&] { NamedBarrier::arrive(T::kNConsumerThreads, 1 + (wg ^ 1)); };
   const auto release = [&](uint64_t* bar) {
     if (lane == 0) Barrier::arrive(bar);
   };
-  const auto scores_to_probs = [&](int it) {
-    const int j0 = tiles[it] * kN;
-    const float scale_log2 = cuda::prepare_scores_qmajor<kN, Elem>(s, p, b, h, i16, j0, lane);
-    if (!cuda::tile_fully_visible(p, m0, m0 + kM, j0, j0 + kN)) cuda::mask_tile_qmajor<kN>(s, p, i16, j0, lane);
-    cuda::online_softmax_probs<kN>(s, m, l, scale_log2, alpha);
-  };
+  if (wg == 1) pass_turn();  // warpgroup 0 goes first
 
-  const int n = tiles.count;
-  if (n > 0) {
-    if (wg == 1) pass_turn();  // warpgroup 0 goes first
-    Barrier::wait(q_full, 0);
-    Barrier::wait(k_full, 0);
-    my_turn();
-    wgmma_gemm<true, -1>(mma_s, tSrQ, tSrK(_, _, _, 0), tSrS);
-    if (wg == 0 || n > 1) pass_turn();  // every hand-over is matched by a wait
-    wgmma_wait<0>(tSrS);
-    release(k_empty);
-    scores_to_probs(0);  // the accumulator is still zero: alpha is not needed
-    to_a_operand<Elem, kN>(tOrP, s);
-    for (int it = 1; it < n; ++it) {
-      const int stage = it % kStages, prev = (it - 1) % kStages;
-      Barrier::wait(k_full + stage, (it / kStages) & 1);
+  int q_count = 0, kv = 0;
+  for (int j = 0;; ++j) {
+    Barrier::wait(sched_full + (j & 1), (j >> 1) & 1);
+    const int t = sched_tile[j & 1];
+    __syncwarp();
+    release(sched_empty + (j & 1));
+    if (t >= args.num_tiles) break;
+    const FwdTile tile = fwd_tile(t, num_m_blocks, args.p.h);
+    const int m0 = tile.m_block * kM, h = tile.h, b = tile.b;
+    const FwdParams p = seq_view(args.p, b);
+    if (m0 >= p.seqlen_q) continue;  // varlen: past this sequence's rows
+    const TileSeq tiles = cuda::key_tiles<kN, kBlockSparse>(p, b, h, m0, kM);
+    const int i16 = m0 + cwarp * 16;  // this warp's 16 query rows
+    cuda::zero<kD>(acc);
+    float m[2] = {cuda::kNegInf, cuda::kNegInf}, l[2] = {0.f, 0.f}, alpha[2];
+    // The tile indices come from a walk that reads the list ahead, off the softmax's critical path.
+    TileWalk walk(tiles);
+    const auto scores_to_probs = [&] {
+      const int j0 = walk.tile * kN;
+      const float scale_log2 = cuda::prepare_scores_qmajor<kN, Elem>(s, p, b, h, i16, j0, lane);
+      if (!cuda::tile_fully_visible(p, m0, m0 + kM, j0, j0 + kN)) cuda::mask_tile_qmajor<kN>(s, p, i16, j0, lane);
+      cuda::online_softmax_probs<kN>(s, m, l, scale_log2, alpha);
+    };
+
+    const int n = tiles.count;
+    if (n > 0) {
+      const int qbuf = q_count % kQBufs;
+      const auto stage_of = [&](int it) { return (kv + it) % kStages; };
+      const auto phase_of = [&](int it) { return uint32_t((kv + it) / kStages) & 1; };
+      Barrier::wait(q_full + qbuf, (q_count / kQBufs) & 1);
+      Barrier::wait(k_full + stage_of(0), phase_of(0));
       my_turn();
-      wgmma_gemm<true, -1>(mma_s, tSrQ, tSrK(_, _, _, stage), tSrS);
-      Barrier::wait(v_full + prev, ((it - 1) / kStages) & 1);
-      wgmma_gemm<false, -1>(mma_o, tOrP, tOrVt(_, _, _, prev), tOrO);
-      if (wg == 0 || it + 1 < n) pass_turn();
-      wgmma_wait<1>(tSrS);  // S_j is in; P_{j-1} V_{j-1} may still run
-      release(k_empty + stage);
-      scores_to_probs(it);
-      wgmma_wait<0>(tOrO, tOrP);
-      release(v_empty + prev);
-      cuda::scale_rows<kD>(acc, alpha);
+      wgmma_gemm<true, -1>(mma_s, tSrQ(_, _, _, qbuf), tSrK(_, _, _, stage_of(0)), tSrS);
+      pass_turn();
+      wgmma_wait<0>(tSrS);
+      release(k_empty + stage_of(0));
+      if (n == 1) release(q_empty + qbuf);  // this tile's last read of Q
+      scores_to_probs();  // the accumulator is still zero: alpha is not needed
       to_a_operand<Elem, kN>(tOrP, s);
+      for (int it = 1; it < n; ++it) {
+        walk.advance();
+        const int stage = stage_of(it), prev = stage_of(it - 1);
+        Barrier::wait(k_full + stage, phase_of(it));
+        my_turn();
+        wgmma_gemm<true, -1>(mma_s, tSrQ(_, _, _, qbuf), tSrK(_, _, _, stage), tSrS);
+        Barrier::wait(v_full + prev, phase_of(it - 1));
+        wgmma_gemm<false, -1>(mma_o, tOrP, tOrVt(_, _, _, prev), tOrO);
+        pass_turn();
+        wgmma_wait<1>(tSrS);  // S_j is in; P_{j-1} V_{j-1} may still run
+        release(k_empty + stage);
+        if (it + 1 == n) release(q_empty + qbuf);
+        scores_to_probs();
+        wgmma_wait<0>(tOrO, tOrP);
+        release(v_empty + prev);
+        cuda::scale_rows<kD>(acc, alpha);
+        to_a_operand<Elem, kN>(tOrP, s);
+      }
+      const int last = stage_of(n - 1);
+      Barrier::wait(v_full + last, phase_of(n - 1));
+      wgmma_gemm<false, 0>(mma_o, tOrP, tOrVt(_, _, _, last), tOrO);
+      release(v_empty + last);
+      ++q_count;
+      kv += n;
     }
-    const int last = (n - 1) % kStages;
-    Barrier::wait(v_full + last, ((n - 1) / kStages) & 1);
-    wgmma_gemm<false, 0>(mma_o, tOrP, tOrVt(_, _, _, last), tOrO);
+    cuda::write_o_lse<Elem, kD>(p, b, h, i16 + lane / 4, acc, m, l, lane);
   }
-
-  cuda::write_o_lse<Elem, kD>(p, b, h, i16 + lane / 4, acc, m, l, lane);
+  // Warpgroup 1 handed the turn over once more than warpgroup 0 took it (the first hand-over):
+  // take that one too, so no arrival is left on a named barrier when the CTA exits.
+  if (wg == 0) my_turn();
 #endif
 }
 
