@@ -151,6 +151,22 @@ def test_full_layout_equals_dense(device, through_the_mask):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("causal,window_size", [(False, (-1, -1)), (True, (-1, -1)), (False, (200, 90))])
+def test_runs_of_consecutive_blocks(device, causal, window_size):
+    # A row whose kept blocks are consecutive walks them as a plain range, cut by causal and the
+    # window: runs at the start, the middle, the end, of one block, of every block, and past the
+    # causal diagonal; the rest of the rows keep scattered blocks, so both walks meet in one call.
+    sq, sk = 1000, 900
+    layout = torch.zeros(blocks(sq), blocks(sk), dtype=torch.bool)
+    runs = [(0, 3), (2, 5), (4, 8), (7, 8), (0, 8), (5, 6), (3, 8)]
+    for qb, (lo, hi) in enumerate(runs):
+        layout[qb, lo:hi] = True
+    layout[len(runs), ::2] = True
+    check(*make(1, sq, sk, 2, 1, 64, dtypes_of(device)[-1], device),
+          BlockSparseMask.from_layout(layout, sq, sk).to(device), causal=causal, window_size=window_size)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_empty_layout_gives_zeros(device):
     q, k, v = make(1, 300, 300, 2, 2, 64, dtypes_of(device)[-1], device)
     empty = BlockSparseMask.from_layout(torch.zeros(3, 3, dtype=torch.bool), 300, 300).to(device)
