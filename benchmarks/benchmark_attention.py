@@ -44,26 +44,31 @@ def make_fn(impl, b, s, h, d, dtype, causal):
     return fn, (q, k, v)
 
 
+# About a millisecond of GPU spinning queued before each timed call (torch.cuda._sleep counts SM
+# clock cycles): the host reaches the call's kernel launches while the GPU is still busy, so the
+# events time the GPU's work and not the Python and dispatcher time before the first launch, which
+# is tens of microseconds (a fifth of a 0.3 ms windowed forward) and which a training step hides by
+# running the host ahead of the GPU. A call that synchronizes, or whose host time exceeds the spin,
+# is still timed with it.
+_SPIN_CYCLES = 2_000_000
+
+
 def median_ms(fn, reps, budget_ms=300.0, max_reps=200):
     """Median of at least reps CUDA-event timings of fn(), more for short fns (up to budget_ms of
     timed work or max_reps): sub-millisecond steps vary by ~10% from run to run otherwise."""
-    for _ in range(3):
-        fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    fn()
-    end.record()
-    torch.cuda.synchronize()
-    reps = max(reps, min(max_reps, int(budget_ms / max(start.elapsed_time(end), 1e-3))))
-    times = []
-    for _ in range(reps):
+    def timed():
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(_SPIN_CYCLES)
         start.record()
         fn()
         end.record()
         torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
+        return start.elapsed_time(end)
+
+    for _ in range(3):
+        fn()
+    reps = max(reps, min(max_reps, int(budget_ms / max(timed(), 1e-3))))
+    return sorted(timed() for _ in range(reps))[reps // 2]
 
 
 def measure(impl, b, s, h, d, dtype, causal):
@@ -77,19 +82,18 @@ def measure(impl, b, s, h, d, dtype, causal):
     return time_fwd_bwd(*make_fn(impl, b, s, h, d, dtype, causal))
 
 
-def time_fwd_bwd(fwd, inputs):
-    """Median forward and forward+backward ms of fwd() (gradients into inputs), and the peak memory
-    of one forward+backward beyond what was allocated before it."""
-    dout = torch.randn_like(fwd())
-
+def _fwd_bwd_step(fwd, inputs, dout):
     def fwd_bwd():
         for t in inputs:
             t.grad = None
         fwd().backward(dout)
+    return fwd_bwd
 
-    with torch.no_grad():
-        t_fwd = median_ms(fwd, 20)
-    t_fb = median_ms(fwd_bwd, 10)
+
+def peak_fwd_bwd_bytes(fwd, inputs):
+    """Peak memory of one forward+backward of fwd() beyond what was allocated before it."""
+    fwd_bwd = _fwd_bwd_step(fwd, inputs, torch.randn_like(fwd()))
+    fwd_bwd()
     for t in inputs:
         t.grad = None
     torch.cuda.synchronize()
@@ -98,7 +102,55 @@ def time_fwd_bwd(fwd, inputs):
     fwd_bwd()
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated() - base
-    return t_fwd, t_fb, peak
+    for t in inputs:
+        t.grad = None
+    return peak
+
+
+def time_fwd_bwd(fwd, inputs):
+    """Median forward and forward+backward ms of fwd() (gradients into inputs), and the peak memory
+    of one forward+backward beyond what was allocated before it."""
+    fwd_bwd = _fwd_bwd_step(fwd, inputs, torch.randn_like(fwd()))
+    with torch.no_grad():
+        t_fwd = median_ms(fwd, 20)
+    t_fb = median_ms(fwd_bwd, 10)
+    return t_fwd, t_fb, peak_fwd_bwd_bytes(fwd, inputs)
+
+
+def interleaved_times(points, rounds=5, budget_ms=100.0):
+    """Forward and backward ms of every point in points ({name: (fwd, inputs)}), timed round-robin:
+    each round takes one median of every point's forward (no grad) and of its backward alone
+    (autograd.grad of one kept forward output with retain_graph, as flash-attn's benchmarks time
+    it, rather than (fwd+bwd) - fwd, the difference of two noisy numbers). The H200's clocks drift
+    over a run (the same 10 ms backward timed 6.5% apart a minute later), and a round's points
+    drift together, so ratios taken within a round, then their median over the rounds, are steadier
+    than ratios of points timed minutes apart. Returns {name: {"fwd": [ms], "bwd": [ms]}}."""
+    timers = {}
+    for name, (fwd, inputs) in points.items():
+        out = fwd()
+        dout = torch.randn_like(out)
+
+        def fwd_only(fwd=fwd):
+            with torch.no_grad():
+                fwd()
+        timers[name] = (fwd_only, lambda out=out, dout=dout, inputs=inputs:
+                        torch.autograd.grad(out, inputs, dout, retain_graph=True))
+    times = {name: {"fwd": [], "bwd": []} for name in points}
+    for _ in range(rounds):
+        for name, (fwd_only, bwd_only) in timers.items():
+            times[name]["fwd"].append(median_ms(fwd_only, 5, budget_ms))
+            times[name]["bwd"].append(median_ms(bwd_only, 5, budget_ms))
+    return times
+
+
+def median(xs):
+    xs = sorted(xs)
+    return xs[len(xs) // 2] if len(xs) % 2 else 0.5 * (xs[len(xs) // 2 - 1] + xs[len(xs) // 2])
+
+
+def median_ratio(num, den, scale=1.0):
+    """Median over rounds of num[r] / (scale * den[r]): two points' times within each round."""
+    return median([a / (scale * b) for a, b in zip(num, den)])
 
 
 def plot(rows, path):

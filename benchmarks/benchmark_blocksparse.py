@@ -5,9 +5,11 @@ Grid (issue 4): head dim 128, 16 heads, batch * seqlen = 16384 tokens, seqlen 40
 random layouts with the diagonal kept at densities 1.0, 0.5, 0.25, 0.1; then a long sequence:
 batch 1, 16 heads, head dim 64, seqlen 65536, butterfly layout. Effective TFLOP/s counts the kept
 blocks' FLOPs only (density x 4 b h s^2 d forward, 2.5x that backward). Times are medians of
-CUDA-event timings (benchmark_attention.time_fwd_bwd); bwd = (fwd+bwd) - fwd. Writes JSON and a
-PNG of time against density, and prints the issue's two ratios per point: time / (density + 0.05)
-x dense time (target <= 1) and speed over FlexAttention (target >= 1.2).
+CUDA-event timings, the backward timed on its own, every point of a seqlen once per round over
+several rounds (benchmark_attention.interleaved_times). Writes JSON and a PNG of time against
+density, and prints the issue's two ratios per point, each the median over rounds of the ratio
+within a round: time / (density + 0.05) x dense time (target <= 1) and speed over FlexAttention
+(target >= 1.2).
 """
 
 import argparse
@@ -15,10 +17,12 @@ import os
 import sys
 
 import torch
+import torch._functorch.config as functorch_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from benchmarks.benchmark_attention import finish_axis, save_results, time_fwd_bwd  # noqa: E402
+from benchmarks.benchmark_attention import (finish_axis, interleaved_times, median, median_ratio,  # noqa: E402
+                                            peak_fwd_bwd_bytes, save_results)
 from flash_attn import BlockSparseMask, flash_attn_blocksparse_func, flash_attn_func  # noqa: E402
 from flash_attn.block_sparse import butterfly_layout, random_layout  # noqa: E402
 
@@ -45,6 +49,9 @@ def flex(b, s, h, d, dtype, layout):
     from torch.nn.attention.flex_attention import BlockMask, flex_attention
     global _flex
     if _flex is None:
+        # Donated buffers (the compiled backward freeing saved tensors as it goes) forbid the
+        # retain_graph backward that interleaved_times times on its own.
+        functorch_config.donated_buffer = False
         _flex = torch.compile(flex_attention)
     # The same kept blocks, all marked full (no mask_mod inside them): FlexAttention's fastest form.
     lists = BlockSparseMask.from_layout(layout, s, s).q_lists.to("cuda")
@@ -58,18 +65,45 @@ def flex(b, s, h, d, dtype, layout):
 IMPLS = {"ours": ours, "flex": flex}
 
 
-def run_point(impl, b, s, h, d, dtype, layout, density, pattern):
-    flops = density * 4 * b * h * s * s * d
-    row = dict(impl=impl, pattern=pattern, density=density, seqlen=s, batch=b, nheads=h, headdim=d)
-    try:
-        t_fwd, t_fb, peak = time_fwd_bwd(*IMPLS[impl.split("_")[0]](b, s, h, d, dtype, layout))
-        row.update(fwd_ms=t_fwd, bwd_ms=t_fb - t_fwd, peak_mb=peak / 2**20, fwd_tflops=flops / t_fwd / 1e9,
-                   bwd_tflops=2.5 * flops / (t_fb - t_fwd) / 1e9)
-    except (RuntimeError, torch.OutOfMemoryError) as e:
-        row.update(fwd_ms=None, bwd_ms=None, peak_mb=None, fwd_tflops=None, bwd_tflops=None,
-                   error=str(e).splitlines()[0][:200])
-    torch.cuda.empty_cache()
-    return row
+def grid_rows(impls, b, s, h, d, dtype, layouts, rounds, with_dense=True):
+    """Ours dense and every impl at every layout of one seqlen, timed in interleaved rounds
+    (benchmark_attention.interleaved_times), with each point's ratios to the issue's targets taken
+    within each round: time / ((density + 0.05) x dense time), and FlexAttention's time / ours."""
+    points, meta = {}, {}
+    if with_dense:
+        points["ours_dense"] = ours(b, s, h, d, dtype, None)
+        meta["ours_dense"] = dict(impl="ours_dense", pattern="dense", density=1.0)
+    for pattern, layout in layouts:
+        density = layout.float().mean().item()
+        for impl in impls:
+            name = f"{impl}@{pattern}:{density:.4f}"
+            points[name] = IMPLS[impl](b, s, h, d, dtype, layout)
+            meta[name] = dict(impl=impl, pattern=pattern, density=density)
+    times = interleaved_times(points, rounds)
+    dense = times.get("ours_dense")
+    rows = []
+    for name, m in meta.items():
+        t = times[name]
+        flops = m["density"] * 4 * b * h * s * s * d
+        row = dict(m, seqlen=s, batch=b, nheads=h, headdim=d, rounds=rounds, fwd_ms=median(t["fwd"]),
+                   bwd_ms=median(t["bwd"]), fwd_ms_rounds=t["fwd"], bwd_ms_rounds=t["bwd"])
+        row.update(fwd_tflops=flops / row["fwd_ms"] / 1e9, bwd_tflops=2.5 * flops / row["bwd_ms"] / 1e9,
+                   peak_mb=peak_fwd_bwd_bytes(*points[name]) / 2**20)
+        if m["impl"] == "ours":
+            for key in ("fwd", "bwd"):
+                if dense and m["pattern"] == "random":
+                    row[f"{key}_vs_target"] = median_ratio(t[key], dense[key], m["density"] + 0.05)
+                flex_name = name.replace("ours@", "flex@")
+                if flex_name in times:
+                    row[f"{key}_x_flex"] = median_ratio(times[flex_name][key], t[key])
+        rows.append(row)
+    return rows
+
+
+def error_rows(impls, s, h, d, layouts, err):
+    return [dict(impl=impl, pattern=pattern, density=layout.float().mean().item(), seqlen=s, nheads=h, headdim=d,
+                 fwd_ms=None, bwd_ms=None, error=str(err).splitlines()[0][:200])
+            for pattern, layout in layouts for impl in impls]
 
 
 def plot(rows, path):
@@ -102,6 +136,7 @@ def main():
     ap.add_argument("--densities", default="1.0,0.5,0.25,0.1")
     ap.add_argument("--impls", default="ours,flex")
     ap.add_argument("--long-seqlen", type=int, default=65536, help="0 skips the long-sequence point")
+    ap.add_argument("--rounds", type=int, default=5, help="interleaved timing rounds per seqlen")
     ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "blocksparse.json"))
     ap.add_argument("--plot", default=None)
     args = ap.parse_args()
@@ -110,18 +145,24 @@ def main():
     rows = []
     for s in map(int, args.seqlens.split(",")):
         b, nb = max(1, 16384 // s), s // BLOCK
-        rows.append(run_point("ours_dense", b, s, h, d, dtype, None, 1.0, "dense"))
-        for target in map(float, args.densities.split(",")):
-            layout = random_layout(nb, nb, target, seed=0, keep_diagonal=True)
-            density = layout.float().mean().item()
-            for impl in impls:
-                rows.append(run_point(impl, b, s, h, d, dtype, layout, density, "random"))
+        layouts = [("random", random_layout(nb, nb, target, seed=0, keep_diagonal=True))
+                   for target in map(float, args.densities.split(","))]
+        rows += grid_rows(impls, b, s, h, d, dtype, layouts, args.rounds)
+        torch.cuda.empty_cache()
     if args.long_seqlen:
         s = args.long_seqlen
-        layout = butterfly_layout(s // BLOCK)
-        density = layout.float().mean().item()
-        for impl in impls:
-            rows.append(run_point(impl, 1, s, 16, 64, dtype, layout, density, "butterfly"))
+        for impl in impls:  # one at a time: FlexAttention may not fit
+            layouts = [("butterfly", butterfly_layout(s // BLOCK))]
+            try:
+                rows += grid_rows([impl], 1, s, 16, 64, dtype, layouts, 1, with_dense=False)
+            except (RuntimeError, torch.OutOfMemoryError) as e:
+                rows += error_rows([impl], s, 16, 64, layouts, e)
+            torch.cuda.empty_cache()
+        ours_long, flex_long = (next((r for r in rows if r["impl"] == i and r["pattern"] == "butterfly"
+                                      and r["fwd_ms"]), None) for i in ("ours", "flex"))
+        if ours_long and flex_long:
+            for key in ("fwd", "bwd"):
+                ours_long[f"{key}_x_flex"] = flex_long[f"{key}_ms"] / ours_long[f"{key}_ms"]
 
     save_results(rows, args.out, plot, args.plot, dtype="bf16")
 
@@ -132,18 +173,10 @@ def main():
         if r["fwd_ms"] is None:
             print(f"{r['impl']:>10} {r['pattern']:>9} {r['seqlen']:>6} {r['density']:7.3f}  error: {r['error']}")
             continue
-        dense = next((x for x in rows if x["impl"] == "ours_dense" and x["seqlen"] == r["seqlen"]), None)
-        fl = next((x for x in rows if x["impl"] == "flex" and x["seqlen"] == r["seqlen"]
-                   and x["pattern"] == r["pattern"] and x["density"] == r["density"] and x["fwd_ms"]), None)
-        cells = []
-        for key in ("fwd_ms", "bwd_ms"):
-            ok = r["impl"] == "ours" and dense and r["pattern"] == "random"
-            cells.append(f"{r[key] / ((r['density'] + 0.05) * dense[key]):17.2f}" if ok else f"{'':>17}")
-        for key in ("fwd_ms", "bwd_ms"):
-            cells.append(f"{fl[key] / r[key]:9.2f}" if r["impl"] == "ours" and fl else f"{'':>9}")
+        cells = [f"{r[k]:17.2f}" if k in r else f"{'':>17}" for k in ("fwd_vs_target", "bwd_vs_target")]
+        cells += [f"{r[k]:9.2f}" if k in r else f"{'':>9}" for k in ("fwd_x_flex", "bwd_x_flex")]
         print(f"{r['impl']:>10} {r['pattern']:>9} {r['seqlen']:>6} {r['density']:7.3f} {r['fwd_ms']:8.3f} "
               f"{r['bwd_ms']:8.3f} {r['fwd_tflops']:7.0f} {r['bwd_tflops']:7.0f} {r['peak_mb']:8.0f} " + " ".join(cells))
-
 
 if __name__ == "__main__":
     main()

@@ -4,7 +4,9 @@ the window lets through (4 d per pair forward, 2.5x that backward), and, as the 
 counts them, the pairs of the tiles the kernels compute (whole tiles along the band's edges; the
 sm90 tiles at head dim <= 128: forward 128 queries x 128 keys, backward 128 keys x 64-query
 steps). The target: a window of 1024 at seqlen 16384 runs at >= 0.9x the dense TFLOP/s on the
-computed tiles. Writes JSON (--out) and a PNG of time against window width (--plot).
+computed tiles. Every window of a seqlen is timed once per round over several rounds, the backward
+on its own (benchmark_attention.interleaved_times), and each ratio to dense is the median of the
+ratios within a round. Writes JSON (--out) and a PNG of time against window width (--plot).
 """
 
 import argparse
@@ -15,7 +17,8 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from benchmarks.benchmark_attention import finish_axis, save_results, time_fwd_bwd  # noqa: E402
+from benchmarks.benchmark_attention import (finish_axis, interleaved_times, median, median_ratio,  # noqa: E402
+                                            peak_fwd_bwd_bytes, save_results)
 from flash_attn import flash_attn_func  # noqa: E402
 
 
@@ -52,16 +55,35 @@ def computed_pairs(s, left, right, rows_per_tile, keys_per_tile, keys_major=Fals
     return total
 
 
-def run_point(b, s, h, d, window):
-    q, k, v = [torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3)]
-    t_fwd, t_fb, peak = time_fwd_bwd(lambda: flash_attn_func(q, k, v, window_size=window), (q, k, v))
-    flops = 4 * b * h * d * visible_pairs(s, *window)
-    fwd_tile_flops = 4 * b * h * d * computed_pairs(s, *window, 128, 128)
-    bwd_tile_flops = 2.5 * 4 * b * h * d * computed_pairs(s, *window, 64, 128, keys_major=True)
-    t_bwd = t_fb - t_fwd
-    return dict(seqlen=s, batch=b, nheads=h, headdim=d, window=list(window), fwd_ms=t_fwd, bwd_ms=t_bwd,
-                peak_mb=peak / 2**20, fwd_tflops=flops / t_fwd / 1e9, bwd_tflops=2.5 * flops / t_bwd / 1e9,
-                fwd_tile_tflops=fwd_tile_flops / t_fwd / 1e9, bwd_tile_tflops=bwd_tile_flops / t_bwd / 1e9)
+def seqlen_rows(b, s, h, d, windows, rounds):
+    """Every window of one seqlen (the first: dense), timed in interleaved rounds
+    (benchmark_attention.interleaved_times); each ratio to dense is the median over rounds of the
+    ratio within a round."""
+    points = {}
+    for window in windows:
+        q, k, v = [torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3)]
+        points[window] = ((lambda q=q, k=k, v=v, window=window: flash_attn_func(q, k, v, window_size=window)),
+                          (q, k, v))
+    times = interleaved_times(points, rounds)
+    dense_window = windows[0]
+    rows = []
+    for window, t in times.items():
+        flops = 4 * b * h * d * visible_pairs(s, *window)
+        tile_flops = {"fwd": 4 * b * h * d * computed_pairs(s, *window, 128, 128),
+                      "bwd": 2.5 * 4 * b * h * d * computed_pairs(s, *window, 64, 128, keys_major=True)}
+        dense_flops = {"fwd": 4 * b * h * d * s * s, "bwd": 2.5 * 4 * b * h * d * s * s}
+        row = dict(seqlen=s, batch=b, nheads=h, headdim=d, window=list(window), rounds=rounds,
+                   fwd_ms=median(t["fwd"]), bwd_ms=median(t["bwd"]), fwd_ms_rounds=t["fwd"], bwd_ms_rounds=t["bwd"],
+                   peak_mb=peak_fwd_bwd_bytes(*points[window]) / 2**20)
+        for key, mult in (("fwd", 1.0), ("bwd", 2.5)):
+            dense = times[dense_window][key]
+            row[f"{key}_tflops"] = mult * flops / row[f"{key}_ms"] / 1e9
+            row[f"{key}_tile_tflops"] = tile_flops[key] / row[f"{key}_ms"] / 1e9
+            # (flops / t) / (dense flops / dense t), per round
+            row[f"{key}_vs_dense"] = median_ratio(dense, t[key], dense_flops[key] / (mult * flops))
+            row[f"{key}_tiles_vs_dense"] = median_ratio(dense, t[key], dense_flops[key] / tile_flops[key])
+        rows.append(row)
+    return rows
 
 
 def plot(rows, path):
@@ -90,6 +112,7 @@ def main():
     ap.add_argument("--seqlens", default="4096,16384")
     ap.add_argument("--windows", default="256,1024,4096", help="w: runs window_size (w, 0) and (w, w)")
     ap.add_argument("--headdim", type=int, default=128)
+    ap.add_argument("--rounds", type=int, default=5, help="interleaved timing rounds per seqlen")
     ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "window.json"))
     ap.add_argument("--plot", default=None)
     args = ap.parse_args()
@@ -98,20 +121,13 @@ def main():
           f"{'bwd/dense':>9} {'fwd tiles/dense':>15} {'bwd tiles/dense':>15}")
     for s in (int(x) for x in args.seqlens.split(",")):
         b = max(1, 16384 // s)
-        dense = None
         windows = [(-1, -1)] + [(w, r) for w in map(int, args.windows.split(",")) if w < s for r in (0, w)]
-        for window in windows:
-            row = run_point(b, s, h, d, window)
-            dense = dense or row
-            row["fwd_vs_dense"] = row["fwd_tflops"] / dense["fwd_tflops"]
-            row["bwd_vs_dense"] = row["bwd_tflops"] / dense["bwd_tflops"]
-            row["fwd_tiles_vs_dense"] = row["fwd_tile_tflops"] / dense["fwd_tile_tflops"]
-            row["bwd_tiles_vs_dense"] = row["bwd_tile_tflops"] / dense["bwd_tile_tflops"]
+        for row in seqlen_rows(b, s, h, d, windows, args.rounds):
             rows.append(row)
-            print(f"{s:>6} {str(window):>12} {row['fwd_ms']:>8.3f} {row['bwd_ms']:>8.3f} {row['fwd_tflops']:>7.0f} "
-                  f"{row['bwd_tflops']:>7.0f} {row['fwd_vs_dense']:>9.2f} {row['bwd_vs_dense']:>9.2f} "
-                  f"{row['fwd_tiles_vs_dense']:>15.2f} {row['bwd_tiles_vs_dense']:>15.2f}")
-            torch.cuda.empty_cache()
+            print(f"{s:>6} {str(tuple(row['window'])):>12} {row['fwd_ms']:>8.3f} {row['bwd_ms']:>8.3f} "
+                  f"{row['fwd_tflops']:>7.0f} {row['bwd_tflops']:>7.0f} {row['fwd_vs_dense']:>9.2f} "
+                  f"{row['bwd_vs_dense']:>9.2f} {row['fwd_tiles_vs_dense']:>15.2f} {row['bwd_tiles_vs_dense']:>15.2f}")
+        torch.cuda.empty_cache()
     save_results(rows, args.out, plot, args.plot, dtype="bf16")
 
 

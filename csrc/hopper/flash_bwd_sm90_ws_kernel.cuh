@@ -79,13 +79,31 @@ __global__ void __launch_bounds__(T::kNThreads, 1) flash_bwd_sm90_ws_kernel(cons
   const BwdParams p = seq_view(args.p, b);
   if (j0 >= p.seqlen_k) return;  // varlen: past this sequence's keys
   const BwdHeadPtrs<Elem> hp = bwd_head_ptrs<Elem, kD, kM>(p, b, h);
+  // Thread 0 (the loading thread below) sets up the barriers and starts K and V at once: a CTA
+  // covers only a few query blocks under a window or a sparse mask, so what its first MMA waits
+  // for (descriptor fetches, K and V, the tile list) is a fixed cost per CTA worth several steps;
+  // the loads need no tile list, and the list is counted while they fly.
   if (tid == 0) {
+    cute::prefetch_tma_descriptor(args.tma_k.get_tma_descriptor());
+    cute::prefetch_tma_descriptor(args.tma_v.get_tma_descriptor());
+    cute::prefetch_tma_descriptor(args.tma_q.get_tma_descriptor());
+    cute::prefetch_tma_descriptor(args.tma_do.get_tma_descriptor());
     Barrier::init(kv_full, 1);
     for (int s = 0; s < kStages; ++s) {
       Barrier::init(full + s, 1);
       Barrier::init(empty + s, T::kNConsumerThreads / 32);
     }
     cutlass::arch::fence_barrier_init();
+    const int hk = h / p.h_h_k_ratio;
+    Tensor gK = local_tile(tma_rows(args.tma_k, k_view(p), p.k_row0, hk, b), Shape<Int<kN>, Int<kD>>{},
+                           make_coord(n_block, 0));
+    Tensor gV = local_tile(tma_rows(args.tma_v, v_view(p), p.k_row0, hk, b), Shape<Int<kN>, Int<kD>>{},
+                           make_coord(n_block, 0));
+    auto [tKg, tKs] = tma_partition(args.tma_k, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
+    auto [tVg, tVs] = tma_partition(args.tma_v, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sV), group_modes<0, 2>(gV));
+    Barrier::arrive_and_expect_tx(kv_full, 2 * T::kKBytes);
+    copy(args.tma_k.with(*kv_full), tKg, tKs);
+    copy(args.tma_v.with(*kv_full), tVg, tVs);
   }
   // Every warp walks the same query blocks.
   const TileSeq tiles = cuda::query_tiles<kM, kN, kBlockSparse>(p, b, h, j0);
@@ -94,24 +112,18 @@ __global__ void __launch_bounds__(T::kNThreads, 1) flash_bwd_sm90_ws_kernel(cons
   if (warp < 4) {  // producer warpgroup
     cutlass::arch::warpgroup_reg_dealloc<T::kProducerRegs>();
     if (warp == 0) {  // loads: one thread issues every copy
-      if (lane != 0 || tiles.count == 0) return;
-      const int hk = h / p.h_h_k_ratio;
+      if (lane != 0) return;
+      if (tiles.count == 0) {  // nothing reads K and V, but the CTA must outlive their copies
+        Barrier::wait(kv_full, 0);
+        return;
+      }
       Tensor gQ = local_tile(tma_rows(args.tma_q, q_view(p), p.q_row0, h, b), Shape<Int<kM>, Int<kD>>{},
                              make_coord(_, 0));  // (kM, kD, block)
       Tensor gdO = local_tile(tma_rows(args.tma_do, do_view(p), p.q_row0, h, b), Shape<Int<kM>, Int<kD>>{},
                               make_coord(_, 0));
-      Tensor gK = local_tile(tma_rows(args.tma_k, k_view(p), p.k_row0, hk, b), Shape<Int<kN>, Int<kD>>{},
-                             make_coord(n_block, 0));
-      Tensor gV = local_tile(tma_rows(args.tma_v, v_view(p), p.k_row0, hk, b), Shape<Int<kN>, Int<kD>>{},
-                             make_coord(n_block, 0));
       auto [tQg, tQs] = tma_partition(args.tma_q, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
       auto [tdOg, tdOs] =
           tma_partition(args.tma_do, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sdO), group_modes<0, 2>(gdO));
-      auto [tKg, tKs] = tma_partition(args.tma_k, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
-      auto [tVg, tVs] = tma_partition(args.tma_v, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sV), group_modes<0, 2>(gV));
-      Barrier::arrive_and_expect_tx(kv_full, 2 * T::kKBytes);
-      copy(args.tma_k.with(*kv_full), tKg, tKs);
-      copy(args.tma_v.with(*kv_full), tVg, tVs);
       for (int it = 0; it < tiles.count; ++it) {
         const int stage = it % kStages, mb = tiles[it];
         Barrier::wait(empty + stage, ((it / kStages) & 1) ^ 1);  // a fresh barrier passes parity 1 at once
