@@ -15,6 +15,7 @@ import argparse
 import json
 import os
 import sys
+from statistics import median
 
 import torch
 import torch.nn.functional as F
@@ -141,11 +142,6 @@ def interleaved_times(points, rounds=5, budget_ms=100.0):
             times[name]["fwd"].append(median_ms(fwd_only, 5, budget_ms))
             times[name]["bwd"].append(median_ms(bwd_only, 5, budget_ms))
     return times
-
-
-def median(xs):
-    xs = sorted(xs)
-    return xs[len(xs) // 2] if len(xs) % 2 else 0.5 * (xs[len(xs) // 2 - 1] + xs[len(xs) // 2])
 
 
 def median_ratio(num, den, scale=1.0):

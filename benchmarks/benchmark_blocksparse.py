@@ -15,13 +15,14 @@ within a round: time / (density + 0.05) x dense time (target <= 1) and speed ove
 import argparse
 import os
 import sys
+from statistics import median
 
 import torch
 import torch._functorch.config as functorch_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from benchmarks.benchmark_attention import (finish_axis, interleaved_times, median, median_ratio,  # noqa: E402
+from benchmarks.benchmark_attention import (finish_axis, interleaved_times, median_ratio,  # noqa: E402
                                             peak_fwd_bwd_bytes, save_results)
 from flash_attn import BlockSparseMask, flash_attn_blocksparse_func, flash_attn_func  # noqa: E402
 from flash_attn.block_sparse import butterfly_layout, random_layout  # noqa: E402

@@ -12,12 +12,13 @@ ratios within a round. Writes JSON (--out) and a PNG of time against window widt
 import argparse
 import os
 import sys
+from statistics import median
 
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from benchmarks.benchmark_attention import (finish_axis, interleaved_times, median, median_ratio,  # noqa: E402
+from benchmarks.benchmark_attention import (finish_axis, interleaved_times, median_ratio,  # noqa: E402
                                             peak_fwd_bwd_bytes, save_results)
 from flash_attn import flash_attn_func  # noqa: E402
 

@@ -5,11 +5,13 @@ block-sparse points where the backward's per-CTA cost shows. Every point is time
 rounds (benchmarks/benchmark_attention.interleaved_times). Prints the path of the flash_attn it
 ran, so that two builds can be compared by PYTHONPATH."""
 
+from statistics import median
+
 import flash_attn  # first: benchmarks.benchmark_attention puts this repository first on sys.path
 
 import torch
 
-from benchmarks.benchmark_attention import interleaved_times, median
+from benchmarks.benchmark_attention import interleaved_times
 from flash_attn import BlockSparseMask, flash_attn_blocksparse_func, flash_attn_func
 from flash_attn.block_sparse import local_layout, random_layout
 
