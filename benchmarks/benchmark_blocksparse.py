@@ -148,7 +148,10 @@ def main():
         b, nb = max(1, 16384 // s), s // BLOCK
         layouts = [("random", random_layout(nb, nb, target, seed=0, keep_diagonal=True))
                    for target in map(float, args.densities.split(","))]
-        rows += grid_rows(impls, b, s, h, d, dtype, layouts, args.rounds)
+        try:
+            rows += grid_rows(impls, b, s, h, d, dtype, layouts, args.rounds)
+        except (RuntimeError, torch.OutOfMemoryError) as e:  # a point that fails ends its seqlen's rounds
+            rows += error_rows(impls, s, h, d, layouts, e)
         torch.cuda.empty_cache()
     if args.long_seqlen:
         s = args.long_seqlen
