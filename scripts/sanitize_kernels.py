@@ -5,8 +5,8 @@ dense,
 block-sparse (a random 128 x 128 layout with an empty query block), varlen (packed sequences of
 lengths 0 to 200, the last one ending at the tensor's end) and score modifiers (a broadcast bias
 with its gradient, ALiBi, softcap), atomic and deterministic dQ.
-The persistent sm90 forward runs on two CTAs (FLASH_ATTN_SM90_FWD_PERSISTENT=2), so that each
-walks many tiles and claims them from the counter.
+The persistent sm90 forward and backward run on two CTAs (FLASH_ATTN_SM90_FWD_PERSISTENT=2,
+FLASH_ATTN_SM90_BWD_PERSISTENT=2), so that each walks many tiles and claims them from the counter.
 Usage: sanitize_kernels.py [all|dense|blocksparse|varlen|mods] (racecheck of "all" takes several minutes)."""
 
 import os
@@ -23,6 +23,7 @@ cu_q, cu_k = (torch.tensor([0] + list(torch.tensor(x).cumsum(0)), dtype=torch.in
               for x in (lens_q, lens_k))
 which = sys.argv[1] if len(sys.argv) > 1 else "all"
 os.environ["FLASH_ATTN_SM90_FWD_PERSISTENT"] = "2"
+os.environ["FLASH_ATTN_SM90_BWD_PERSISTENT"] = "2"
 for portable, sync in (("0", "0"), ("0", "1"), ("1", "0")):
     os.environ["FLASH_ATTN_DISABLE_SM90"] = portable
     os.environ["FLASH_ATTN_SM90_FWD_SYNC"] = sync

@@ -300,6 +300,16 @@ def test_compile_and_cuda_graphs(dropout_p):
         torch.testing.assert_close(out, step(x), atol=2e-2, rtol=2e-2)
 
 
+def three_schedules(env_var, fn, monkeypatch):
+    """fn() under a persistent kernel's three schedules: a CTA per SM (the default), three CTAs
+    (a hundred tiles or more each) and a CTA per tile (env_var = 0)."""
+    results = [fn()]
+    for ctas in ("3", "0"):
+        monkeypatch.setenv(env_var, ctas)
+        results.append(fn())
+    return results
+
+
 @pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9),
                     reason="Hopper (sm_90) only")
 @pytest.mark.parametrize("d", [64, 128, 256])
@@ -329,10 +339,54 @@ def test_persistent_forward_equals_a_cta_per_tile(case, d, monkeypatch):
         check_against_reference(q, k, v, **kw)
     names = kernel_names(run)
     assert any("flash_fwd_sm90_ws_kernel<" in n for n in names), names
-    persistent = run()
-    monkeypatch.setenv("FLASH_ATTN_SM90_FWD_PERSISTENT", "3")  # three CTAs: a hundred tiles or more each
-    three_ctas = run()
-    monkeypatch.setenv("FLASH_ATTN_SM90_FWD_PERSISTENT", "0")
-    per_tile = run()
+    persistent, three_ctas, per_tile = three_schedules("FLASH_ATTN_SM90_FWD_PERSISTENT", run, monkeypatch)
     for a, b, c in zip(persistent, three_ctas, per_tile):
         assert torch.equal(a, c) and torch.equal(b, c)
+
+
+@pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9),
+                    reason="Hopper (sm_90) only")
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("case", ["dense", "causal", "window", "gqa", "varlen", "block_sparse", "bias"])
+def test_persistent_backward_equals_a_cta_per_tile(case, d, monkeypatch):
+    # More (key block, head, batch) tiles than SMs, so the persistent backward's CTAs claim tiles
+    # from its counter and carry their barriers and K/V buffers from tile to tile. dK and dV are
+    # each tile's own sums, the same bit for bit as with a CTA per tile
+    # (FLASH_ATTN_SM90_BWD_PERSISTENT=0) or three CTAs; dQ's adds come in another order.
+    from flash_attn import BlockSparseMask, flash_attn_blocksparse_func, flash_attn_varlen_func
+    torch.manual_seed(0)
+    q, k, v = make(3, 1300, 1500, 8, 2 if case == "gqa" else 8, d, torch.bfloat16)
+    inputs = (q, k, v)
+    if case == "varlen":
+        lens = torch.tensor([0, 1, 700, 1500, 129, 2000])
+        cu = torch.cat([torch.zeros(1), lens.cumsum(0)]).int().cuda()
+        inputs = tuple(torch.randn(int(lens.sum()), 8, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+                       for _ in range(3))
+        run = lambda: flash_attn_varlen_func(*inputs, cu, cu, 2000, 2000, causal=True)
+    elif case == "block_sparse":
+        layout = torch.rand(3, 8, 11, 12) < 0.4
+        layout[:, :, :, 2] = False  # a key block no query block keeps
+        layout[:, :, 5] = True
+        mask = BlockSparseMask.from_layout(layout, 1300, 1500).to("cuda")
+        run = lambda: flash_attn_blocksparse_func(q, k, v, mask, causal=True)
+    elif case == "bias":
+        bias = torch.randn(3, 8, 1300, 1500, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        inputs = (q, k, v, bias)
+        run = lambda: flash_attn_func(q, k, v, attn_bias=bias)
+    else:
+        kw = dict(causal=case in ("causal", "gqa"), window_size=(300, 100) if case == "window" else (-1, -1))
+        run = lambda: flash_attn_func(q, k, v, **kw)
+        check_against_reference(q, k, v, **kw)
+    out = run()
+    dout = torch.randn_like(out)
+    grads = lambda: torch.autograd.grad(run(), inputs, dout)  # noqa: E731
+    names = kernel_names(grads)
+    assert any("flash_bwd_sm90_ws_kernel<" in n for n in names), names
+    persistent, three_ctas, per_tile = three_schedules("FLASH_ATTN_SM90_BWD_PERSISTENT", grads, monkeypatch)
+    for i, (a, b, c) in enumerate(zip(persistent, three_ctas, per_tile)):
+        assert torch.isfinite(a).all()
+        if i in (1, 2):  # dK, dV
+            assert torch.equal(a, c) and torch.equal(b, c)
+        else:  # dQ (and the bias gradient): float32 adds in another order, then rounded
+            torch.testing.assert_close(a, c, atol=2e-2, rtol=2e-2)
+            torch.testing.assert_close(b, c, atol=2e-2, rtol=2e-2)

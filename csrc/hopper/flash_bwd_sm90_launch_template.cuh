@@ -5,6 +5,7 @@
 
 #include "../cuda/flash_launch.h"
 #include "../cuda/launch_utils.cuh"
+#include "../cuda/persistent_grid.h"
 #include "flash_bwd_sm90_split_d_kernel.cuh"
 #include "flash_bwd_sm90_ws_kernel.cuh"
 #include "tma_view.cuh"
@@ -22,14 +23,16 @@ template <typename Elem, int kHeadDim>
 using BwdSm90SplitDConfig = BwdSm90SplitDTraits<Elem, kHeadDim, kHeadDim % 128 == 0 ? 128 : 64>;
 
 template <typename T>
-BwdSm90WsParams<T> bwd_ws_params(const BwdParams& p) {
+BwdSm90WsParams<T> bwd_ws_params(const BwdParams& p, int num_tiles, int* tile_counter) {
   using CElem = typename T::CElem;
   using cute::SM90_TMA_LOAD;
   return BwdSm90WsParams<T>{p,
                             make_tma_copy(SM90_TMA_LOAD{}, q_view(p).tensor<CElem>(), typename T::SmemLayoutQStage{}),
                             make_tma_copy(SM90_TMA_LOAD{}, do_view(p).tensor<CElem>(), typename T::SmemLayoutQStage{}),
                             make_tma_copy(SM90_TMA_LOAD{}, k_view(p).tensor<CElem>(), typename T::SmemLayoutK{}),
-                            make_tma_copy(SM90_TMA_LOAD{}, v_view(p).tensor<CElem>(), typename T::SmemLayoutK{})};
+                            make_tma_copy(SM90_TMA_LOAD{}, v_view(p).tensor<CElem>(), typename T::SmemLayoutK{}),
+                            num_tiles,
+                            tile_counter};
 }
 
 // Runs the backward's main kernel here and returns true where this path applies: an sm_90 GPU,
@@ -55,11 +58,23 @@ bool run_mha_bwd_sm90_(BwdParams& p, cudaStream_t stream) {
     if (p.softmax_lse_log2_ptr == nullptr || !q_view(p).compatible() || !do_view(p).compatible() ||
         !k_view(p).compatible() || !v_view(p).compatible())
       return false;
-    const BwdSm90WsParams<T> args = bwd_ws_params<T>(p);
+    // Persistent over (key block, head, batch) tiles (cuda::persistent_grid);
+    // FLASH_ATTN_SM90_BWD_PERSISTENT=0 launches a CTA per tile instead, =n at most n CTAs.
+    const int64_t num_tiles = int64_t(grid.x) * grid.y * grid.z;
+    const cuda::PersistentGrid pg = cuda::persistent_grid(num_tiles, "FLASH_ATTN_SM90_BWD_PERSISTENT", stream);
+    const BwdSm90WsParams<T> args = bwd_ws_params<T>(p, int(num_tiles), pg.counter_ptr());
+    // dK and dV rows leave by bulk copies (16-byte aligned; the op layer allocates them so).
+    const auto aligned = [](const void* ptr, int64_t batch, int64_t row, int64_t head) {
+      return (reinterpret_cast<uintptr_t>(ptr) | ((batch | row | head) * int64_t(sizeof(Elem)))) % 16 == 0;
+    };
+    TORCH_CHECK(p.dk_accum_ptr != nullptr ||
+                    (aligned(p.dk_ptr, p.dk_batch_stride, p.dk_row_stride, p.dk_head_stride) &&
+                     aligned(p.dv_ptr, p.dv_batch_stride, p.dv_row_stride, p.dv_head_stride) && p.d % 8 == 0),
+                "flash_attn (internal): dk and dv need 16-byte aligned rows");
     cuda::launch<T>(p.score_mod ? &flash_bwd_sm90_ws_kernel<T, false, true>
                     : sparse    ? &flash_bwd_sm90_ws_kernel<T, true>
                                 : &flash_bwd_sm90_ws_kernel<T, false>,
-                    grid, args, stream);
+                    pg.grid, args, stream);
     p.dq_accum_swizzled = true;
   } else {
     cuda::launch<T>(sparse ? &flash_bwd_sm90_split_d_kernel<T, true> : &flash_bwd_sm90_split_d_kernel<T, false>, grid,

@@ -31,8 +31,9 @@ struct BwdSm90WsTraits {
   static constexpr int kDqN = kDqSplitN ? kHeadDim / kNWarpGroups : kHeadDim, kDqTiles = kDqSplitK ? 2 : 1;
   static_assert(kHeadDim % 64 == 0 && kHeadDim <= 128, "tile shapes");
   // Named barriers (ids past those CUTLASS reserves): dS complete (per warpgroup when dQ is split
-  // along the keys: ids 1 and 2); dQ tiles written; dQ tiles read.
-  static constexpr int kBarDsReady = 1, kBarDqFull = 3, kBarDqEmpty = 4;
+  // along the keys: ids 1 and 2); dQ tiles written; dQ tiles read; the last tile's dK and dV read
+  // out of shared memory.
+  static constexpr int kBarDsReady = 1, kBarDqFull = 3, kBarDqEmpty = 4, kBarStagedRead = 5;
 
   using _D = cute::Int<kHeadDim>;
   using _M = cute::Int<kBlockM>;
@@ -77,11 +78,19 @@ struct BwdSm90WsTraits {
   static constexpr uint32_t kKBytes = kSmemK * sizeof(CElem);
   // Per stage: Q and dO tiles, and their rows' logsumexp and D.
   static constexpr uint32_t kStageBytes = 2 * kBlockM * kHeadDim * sizeof(CElem) + 2 * kBlockM * sizeof(float);
-  static constexpr int kNBarriers = 1 + 2 * kStages;  // K and V; per stage full, empty
-  static constexpr int kSmemAlign = 1024;             // the 128-byte swizzle repeats every 1024 bytes
-  static constexpr int kSmemBytes = (2 * kSmemQ + 2 * kSmemK + kSmemdS2) * int(sizeof(CElem)) +
-                                    (kDqTiles * kBlockM * kHeadDim + 2 * kStages * kBlockM) * int(sizeof(float)) +
-                                    kNBarriers * 8 + kSmemAlign;
+  // K and V full, empty; per stage full, empty; two schedule slots' full, empty. Then the two
+  // slots (a tile and its query blocks; 32 bytes each).
+  static constexpr int kNBarriers = 2 + 2 * kStages + 4, kSchedSlotBytes = 32;
+  static constexpr int kSmemAlign = 1024;  // the 128-byte swizzle repeats every 1024 bytes
+  // A tile's dK and dV leave through shared memory, where dS and the dQ tiles were (and a little
+  // more): rows of kHeadDim 16-bit values padded by 16 bytes, so that the accumulator fragments'
+  // 4-byte writes (8 rows x 4 columns per warp) hit 32 different banks.
+  static constexpr int kStagedRowBytes = kHeadDim * 2 + 16, kStagedBytes = 2 * kBlockN * kStagedRowBytes;
+  static constexpr int kDqRegionBytes = cute::max(kDqTiles * kBlockM * kHeadDim * int(sizeof(float)),
+                                                  kStagedBytes - kSmemdS2 * int(sizeof(CElem)));
+  static constexpr int kSmemBytes = (2 * kSmemQ + 2 * kSmemK + kSmemdS2) * int(sizeof(CElem)) + kDqRegionBytes +
+                                    2 * kStages * kBlockM * int(sizeof(float)) + kNBarriers * 8 +
+                                    2 * kSchedSlotBytes + kSmemAlign;
 };
 
 // Head dims above 128, where 128 keys' dK and dV accumulators would not fit in registers: one CTA

@@ -3,10 +3,9 @@
 // body is empty and run_fwd never dispatches here).
 #pragma once
 
-#include <c10/cuda/CUDACachingAllocator.h>
-
 #include "../cuda/flash_launch.h"
 #include "../cuda/launch_utils.cuh"
+#include "../cuda/persistent_grid.h"
 #include "flash_fwd_sm90_kernel.cuh"
 #include "flash_fwd_sm90_ws_kernel.cuh"
 #include "tma_view.cuh"
@@ -46,21 +45,12 @@ bool run_mha_fwd_sm90_ws(const FwdParams& p, cudaStream_t stream) {
   if ((off != nullptr && off[0] == '1') || p.seqlen_k == 0 || T::kSmemBytes > cuda::smem_per_block_optin() ||
       !q_view(p).compatible() || !k_view(p).compatible() || !v_view(p).compatible())
     return false;
-  // Persistent: at most one CTA per SM, each taking tiles until none are left (the counter hands
-  // out those past the first gridDim.x). FLASH_ATTN_SM90_FWD_PERSISTENT=0 launches a CTA per tile
+  // Persistent (cuda::persistent_grid): FLASH_ATTN_SM90_FWD_PERSISTENT=0 launches a CTA per tile
   // instead (A/B); =n caps the CTAs at n (tests: many tiles per CTA on small problems).
   const int64_t num_tiles = int64_t((p.seqlen_q + T::kBlockM - 1) / T::kBlockM) * p.h * p.b;
-  TORCH_CHECK(num_tiles < INT32_MAX, "flash_attn: too many query blocks x heads x batch (", num_tiles, ")");
-  const char* persistent = std::getenv("FLASH_ATTN_SM90_FWD_PERSISTENT");
-  const int cap = persistent == nullptr ? cuda::sm_count() : std::atoi(persistent);
-  const int64_t ctas = cap > 0 ? cap : num_tiles;
-  const dim3 grid(unsigned(std::min(num_tiles, ctas)));
-  c10::DataPtr counter;
-  if (num_tiles > int64_t(grid.x)) {
-    counter = c10::cuda::CUDACachingAllocator::get()->allocate(sizeof(int));
-    C10_CUDA_CHECK(cudaMemsetAsync(counter.get(), 0, sizeof(int), stream));
-  }
-  const FwdSm90WsParams<T> args = ws_params<T>(p, int(num_tiles), static_cast<int*>(counter.get()));
+  const cuda::PersistentGrid pg = cuda::persistent_grid(num_tiles, "FLASH_ATTN_SM90_FWD_PERSISTENT", stream);
+  const dim3 grid = pg.grid;
+  const FwdSm90WsParams<T> args = ws_params<T>(p, int(num_tiles), pg.counter_ptr());
   if (p.q_block_lists != nullptr) cuda::launch<T>(&flash_fwd_sm90_ws_kernel<T, true>, grid, args, stream);
   else cuda::launch<T>(&flash_fwd_sm90_ws_kernel<T, false>, grid, args, stream);
   return true;

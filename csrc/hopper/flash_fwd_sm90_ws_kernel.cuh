@@ -15,6 +15,7 @@
 
 #include "../cuda/flash_fwd_kernel.cuh"
 #include "flash_fwd_sm90_traits.cuh"
+#include "persistent_tiles.cuh"
 #include "tma_view.cuh"
 
 namespace flash::hopper {
@@ -31,16 +32,6 @@ struct FwdSm90WsParams {
   int num_tiles;
   int* tile_counter;
 };
-
-// Tile t in the order a grid of (query blocks, heads, batches) CTAs would run: the last query
-// block first (the longest under causal), then heads, then batches.
-struct FwdTile {
-  int m_block, h, b;
-};
-__device__ __forceinline__ FwdTile fwd_tile(int t, int num_m_blocks, int heads) {
-  const int bh = t / num_m_blocks;
-  return FwdTile{num_m_blocks - 1 - (t - bh * num_m_blocks), bh % heads, bh / heads};
-}
 
 // kBlockSparse: as in flash_fwd_sm90_kernel.
 template <typename T, bool kBlockSparse>
@@ -105,8 +96,8 @@ __global__ void __launch_bounds__(T::kNThreads, 1) flash_fwd_sm90_ws_kernel(cons
         Barrier::arrive(sched_full + (j & 1));  // (release: the index is visible to its waiters)
       }
       if (t >= args.num_tiles) break;
-      const FwdTile tile = fwd_tile(t, num_m_blocks, args.p.h);
-      const int m0 = tile.m_block * kM, h = tile.h, b = tile.b;
+      const GridTile tile = grid_tile<true>(t, num_m_blocks, args.p.h);
+      const int m0 = tile.block * kM, h = tile.h, b = tile.b;
       const FwdParams p = seq_view(args.p, b);
       // (With a mask, the warp's lanes count the tile list together.)
       const TileSeq tiles = m0 < p.seqlen_q ? cuda::key_tiles<kN, kBlockSparse>(p, b, h, m0, kM) : TileSeq{};
@@ -114,7 +105,7 @@ __global__ void __launch_bounds__(T::kNThreads, 1) flash_fwd_sm90_ws_kernel(cons
         if (lane == 0) {
           const int hk = h / p.h_h_k_ratio;
           Tensor gQ = local_tile(tma_rows(args.tma_q, q_view(p), p.q_row0, h, b), Shape<Int<kM>, Int<kD>>{},
-                                 make_coord(tile.m_block, 0));
+                                 make_coord(tile.block, 0));
           Tensor gK = local_tile(tma_rows(args.tma_k, k_view(p), p.k_row0, hk, b), Shape<Int<kN>, Int<kD>>{},
                                  make_coord(_, 0));  // (kN, kD, tile)
           Tensor gV = local_tile(tma_rows(args.tma_v, v_view(p), p.k_row0, hk, b), Shape<Int<kN>, Int<kD>>{},
@@ -143,10 +134,7 @@ __global__ void __launch_bounds__(T::kNThreads, 1) flash_fwd_sm90_ws_kernel(cons
         ++q_count;
         kv += tiles.count;
       }
-      // The next tile, claimed once this one's loads are queued: the CTA that gets there first
-      // takes it, so long and short tiles spread over the SMs as a grid's blocks would.
-      if (lane == 0) t = args.num_tiles > int(gridDim.x) ? atomicAdd(args.tile_counter, 1) + int(gridDim.x) : args.num_tiles;
-      t = __shfl_sync(0xffffffffu, t, 0);
+      t = claim_next_tile(args.num_tiles, args.tile_counter);  // once this tile's loads are queued
     }
     return;
   }
@@ -185,8 +173,8 @@ __global__ void __launch_bounds__(T::kNThreads, 1) flash_fwd_sm90_ws_kernel(cons
     __syncwarp();
     release(sched_empty + (j & 1));
     if (t >= args.num_tiles) break;
-    const FwdTile tile = fwd_tile(t, num_m_blocks, args.p.h);
-    const int m0 = tile.m_block * kM, h = tile.h, b = tile.b;
+    const GridTile tile = grid_tile<true>(t, num_m_blocks, args.p.h);
+    const int m0 = tile.block * kM, h = tile.h, b = tile.b;
     const FwdParams p = seq_view(args.p, b);
     if (m0 >= p.seqlen_q) continue;  // varlen: past this sequence's rows
     const TileSeq tiles = cuda::key_tiles<kN, kBlockSparse>(p, b, h, m0, kM);

@@ -1,0 +1,27 @@
+// The tile schedule the persistent sm90 kernels share (the host side: cuda::persistent_grid).
+#pragma once
+
+namespace flash::hopper {
+
+// Tile t of a (block, head, batch) schedule, in the order a grid of CTAs with blockIdx.x = block
+// would run; kLastBlockFirst reverses the blocks (under causal the forward's last query block and
+// the backward's first key block are the longest, and start first either way).
+struct GridTile {
+  int block, h, b;
+};
+template <bool kLastBlockFirst>
+__device__ __forceinline__ GridTile grid_tile(int t, int num_blocks, int heads) {
+  const int bh = t / num_blocks, block = t - bh * num_blocks;
+  return GridTile{kLastBlockFirst ? num_blocks - 1 - block : block, bh % heads, bh / heads};
+}
+
+// The next tile of a warp's CTA: the CTA that gets there first claims it from the counter
+// (tiles gridDim.x and up; the first gridDim.x go in CTA order), so long and short tiles spread
+// over the SMs as a grid's blocks would. num_tiles or more: none left. Every lane calls it.
+__device__ __forceinline__ int claim_next_tile(int num_tiles, int* counter) {
+  int t = num_tiles;
+  if (threadIdx.x % 32 == 0 && num_tiles > int(gridDim.x)) t = atomicAdd(counter, 1) + int(gridDim.x);
+  return __shfl_sync(0xffffffffu, t, 0);
+}
+
+}  // namespace flash::hopper
