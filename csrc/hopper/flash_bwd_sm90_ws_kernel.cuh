@@ -51,6 +51,18 @@ __device__ __forceinline__ void bulk_reduce_add_f32(float* dst, const float* src
                : "memory");
 }
 
+// bytes of shared memory at the 32-bit shared address src -> global memory at dst, as one bulk
+// operation of this thread's bulk group (cute::SM90_BULK_COPY_S2G takes a generic pointer, whose
+// conversion the callers' shared addresses would only undo).
+__device__ __forceinline__ void bulk_store(void* dst, uint32_t src, int bytes) {
+  asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;\n" ::"l"(dst), "r"(src), "r"(bytes)
+               : "memory");
+}
+
+// Wait until this thread's bulk operations are complete (their shared-memory reads and global
+// writes), before the CTA's shared memory goes away.
+__device__ __forceinline__ void bulk_wait_all() { asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory"); }
+
 // A 32-bit store to a shared-memory address (st.shared: no generic-address arithmetic).
 __device__ __forceinline__ void st_shared_u32(uint32_t addr, uint32_t v) {
   asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(v) : "memory");
@@ -86,9 +98,7 @@ __device__ __forceinline__ void store_dk_dv_staged(const BwdParams& p, int b, in
                                 key * p.dk_row_stride
                           : rows_of<Elem>(p.dv_ptr, b, h, p.k_row0, p.dv_batch_stride, p.dv_row_stride, p.dv_head_stride) +
                                 key * p.dv_row_stride;
-    asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;\n" ::"l"(dst),
-                 "r"(staged + (lane < 16 ? 0 : kTensor) + r * kRow), "r"(p.d * int(sizeof(Elem)))
-                 : "memory");
+    bulk_store(dst, staged + (lane < 16 ? 0 : kTensor) + r * kRow, p.d * int(sizeof(Elem)));
   }
   cute::tma_store_arrive();
 }
@@ -250,7 +260,7 @@ __global__ void __launch_bounds__(T::kNThreads, 1) flash_bwd_sm90_ws_kernel(cons
           NamedBarrier::arrive(T::kNConsumerThreads + 32, T::kBarDqEmpty);
         }
       }
-      if (lane == 0) asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
+      if (lane == 0) bulk_wait_all();
     }
     return;
   }
@@ -406,8 +416,7 @@ __global__ void __launch_bounds__(T::kNThreads, 1) flash_bwd_sm90_ws_kernel(cons
       staged_unread = true;
     }
   }
-  // Shared memory must outlive the copies.
-  asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
+  bulk_wait_all();  // shared memory must outlive the copies
 #endif
 }
 
