@@ -187,12 +187,13 @@ __device__ __forceinline__ void acc_to_a(uint32_t (&a)[kN / 16][4], const float 
 template <typename Elem, int kD>
 __device__ __forceinline__ void store_acc_row(Elem* row_ptr, const float (&acc)[kD / 8][4], int hr, float scale,
                                               int d, int lane) {
+  // One address per row and constant offsets from it (a per-column address made the compiler
+  // rebuild the 64-bit pointer for every store).
+  uint32_t* dst = reinterpret_cast<uint32_t*>(row_ptr + 2 * (lane % 4));
+  const int cols = (d - 2 * (lane % 4) + 7) / 8;  // this lane's column pairs below d
 #pragma unroll
-  for (int dt = 0; dt < kD / 8; ++dt) {
-    const int col = dt * 8 + 2 * (lane % 4);
-    if (col < d)
-      *reinterpret_cast<uint32_t*>(row_ptr + col) = pack2<Elem>(acc[dt][2 * hr] * scale, acc[dt][2 * hr + 1] * scale);
-  }
+  for (int dt = 0; dt < kD / 8; ++dt)
+    if (dt < cols) dst[dt * 4] = pack2<Elem>(acc[dt][2 * hr] * scale, acc[dt][2 * hr + 1] * scale);
 }
 
 template <int kN>

@@ -7,7 +7,9 @@
 // - within a warpgroup, S_j = Q K_j^T is issued together with O += P_{j-1} V_{j-1}, and the
 //   softmax of S_j runs while the latter is in flight;
 // - between the warpgroups, named barriers make them take turns issuing their MMAs, so one's
-//   softmax overlaps the other's MMAs (ping-pong).
+//   softmax overlaps the other's MMAs (ping-pong);
+// - across tiles, a tile's last P V goes out with the next tile's S_0, and its output is stored
+//   while the other warpgroup's MMAs run.
 #pragma once
 
 #include <cutlass/arch/barrier.h>
@@ -88,6 +90,11 @@ __global__ void __launch_bounds__(T::kNThreads, 1) flash_fwd_sm90_ws_kernel(cons
   if (warp < 4) {  // producer warpgroup: warp 0 schedules (lane 0 issues every copy)
     cutlass::arch::warpgroup_reg_dealloc<T::kProducerRegs>();
     if (warp != 0) return;
+    // Tile t's Q rows as a TMA view.
+    const auto q_rows = [&](const FwdParams& p, const GridTile& tile) {
+      return local_tile(tma_rows(args.tma_q, q_view(p), p.q_row0, tile.h, tile.b), Shape<Int<kM>, Int<kD>>{},
+                        make_coord(tile.block, 0));
+    };
     int t = blockIdx.x, q_count = 0, kv = 0;
     for (int j = 0;; ++j) {
       if (lane == 0) {
@@ -96,6 +103,19 @@ __global__ void __launch_bounds__(T::kNThreads, 1) flash_fwd_sm90_ws_kernel(cons
         Barrier::arrive(sched_full + (j & 1));  // (release: the index is visible to its waiters)
       }
       if (t >= args.num_tiles) break;
+      // The next tile is claimed as this one starts and its Q is prefetched into L2, so neither
+      // the counter's round trip nor Q's trip from memory delays the next tile's first MMA (the
+      // two-stage K/V ring lets this loop reach the next tile only one key step ahead).
+      const int t_next = claim_next_tile(args.num_tiles, args.tile_counter);
+      if (lane == 0 && t_next < args.num_tiles) {
+        const GridTile next = grid_tile<true>(t_next, num_m_blocks, args.p.h);
+        const FwdParams pn = seq_view(args.p, next.b);
+        if (next.block * kM < pn.seqlen_q) {
+          auto [tQg, tQs] = tma_partition(args.tma_q, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sQ),
+                                          group_modes<0, 2>(q_rows(pn, next)));
+          cute::prefetch(args.tma_q, tQg);
+        }
+      }
       const GridTile tile = grid_tile<true>(t, num_m_blocks, args.p.h);
       const int m0 = tile.block * kM, h = tile.h, b = tile.b;
       const FwdParams p = seq_view(args.p, b);
@@ -104,8 +124,7 @@ __global__ void __launch_bounds__(T::kNThreads, 1) flash_fwd_sm90_ws_kernel(cons
       if (m0 < p.seqlen_q && tiles.count > 0) {
         if (lane == 0) {
           const int hk = h / p.h_h_k_ratio;
-          Tensor gQ = local_tile(tma_rows(args.tma_q, q_view(p), p.q_row0, h, b), Shape<Int<kM>, Int<kD>>{},
-                                 make_coord(tile.block, 0));
+          Tensor gQ = q_rows(p, tile);
           Tensor gK = local_tile(tma_rows(args.tma_k, k_view(p), p.k_row0, hk, b), Shape<Int<kN>, Int<kD>>{},
                                  make_coord(_, 0));  // (kN, kD, tile)
           Tensor gV = local_tile(tma_rows(args.tma_v, v_view(p), p.k_row0, hk, b), Shape<Int<kN>, Int<kD>>{},
@@ -134,7 +153,7 @@ __global__ void __launch_bounds__(T::kNThreads, 1) flash_fwd_sm90_ws_kernel(cons
         ++q_count;
         kv += tiles.count;
       }
-      t = claim_next_tile(args.num_tiles, args.tile_counter);  // once this tile's loads are queued
+      t = t_next;
     }
     return;
   }
@@ -166,6 +185,30 @@ __global__ void __launch_bounds__(T::kNThreads, 1) flash_fwd_sm90_ws_kernel(cons
   };
   if (wg == 1) pass_turn();  // warpgroup 0 goes first
 
+  // A tile's last P V is issued in the same turn as the next tile's S_0 (as every step pairs S_j
+  // with P_{j-1} V_{j-1}), and its output is written once that P V is in, while the other
+  // warpgroup has the tensor cores: the tile boundary costs no idle turn. Until then the tile is
+  // "pending": its P in tOrP, its rows' statistics in m / l, and in pend_m / pend_l once the next
+  // tile has started.
+  struct Pending {
+    int stage = -1, b, h, i16;  // stage -1: none
+    uint32_t phase;
+  } pend;
+  float m[2], l[2], alpha[2], pend_m[2], pend_l[2];
+  cute::clear(tOrP);  // the probabilities of the first (dummy) pending P V
+  // After the pending P V is waited for; mp, lp: the pending rows' statistics.
+  const auto finish_pending = [&](const float(&mp)[2], const float(&lp)[2]) {
+    release(v_empty + pend.stage);
+    cuda::write_o_lse<Elem, kD>(seq_view(args.p, pend.b), pend.b, pend.h, pend.i16 + lane / 4, acc, mp, lp, lane);
+    pend.stage = -1;
+  };
+  const auto flush_pending = [&] {
+    if (pend.stage < 0) return;
+    Barrier::wait(v_full + pend.stage, pend.phase);
+    wgmma_gemm<false, 0>(mma_o, tOrP, tOrVt(_, _, _, pend.stage), tOrO);
+    finish_pending(m, l);  // no tile has started since: m and l are still the pending rows'
+  };
+
   int q_count = 0, kv = 0;
   for (int j = 0;; ++j) {
     Barrier::wait(sched_full + (j & 1), (j >> 1) & 1);
@@ -179,8 +222,15 @@ __global__ void __launch_bounds__(T::kNThreads, 1) flash_fwd_sm90_ws_kernel(cons
     if (m0 >= p.seqlen_q) continue;  // varlen: past this sequence's rows
     const TileSeq tiles = cuda::key_tiles<kN, kBlockSparse>(p, b, h, m0, kM);
     const int i16 = m0 + cwarp * 16;  // this warp's 16 query rows
-    cuda::zero<kD>(acc);
-    float m[2] = {cuda::kNegInf, cuda::kNegInf}, l[2] = {0.f, 0.f}, alpha[2];
+    const int n = tiles.count;
+    if (n == 0) {  // no keys: zeros and an empty logsumexp
+      flush_pending();
+      cuda::zero<kD>(acc);
+      m[0] = m[1] = cuda::kNegInf;
+      l[0] = l[1] = 0.f;
+      cuda::write_o_lse<Elem, kD>(p, b, h, i16 + lane / 4, acc, m, l, lane);
+      continue;
+    }
     // The tile indices come from a walk that reads the list ahead, off the softmax's critical path.
     TileWalk walk(tiles);
     const auto scores_to_probs = [&] {
@@ -190,48 +240,56 @@ __global__ void __launch_bounds__(T::kNThreads, 1) flash_fwd_sm90_ws_kernel(cons
       cuda::online_softmax_probs<kN>(s, m, l, scale_log2, alpha);
     };
 
-    const int n = tiles.count;
-    if (n > 0) {
-      const int qbuf = q_count % kQBufs;
-      const auto stage_of = [&](int it) { return (kv + it) % kStages; };
-      const auto phase_of = [&](int it) { return uint32_t((kv + it) / kStages) & 1; };
-      Barrier::wait(q_full + qbuf, (q_count / kQBufs) & 1);
-      Barrier::wait(k_full + stage_of(0), phase_of(0));
+    const int qbuf = q_count % kQBufs;
+    const auto stage_of = [&](int it) { return (kv + it) % kStages; };
+    const auto phase_of = [&](int it) { return uint32_t((kv + it) / kStages) & 1; };
+    Barrier::wait(q_full + qbuf, (q_count / kQBufs) & 1);
+    Barrier::wait(k_full + stage_of(0), phase_of(0));
+    my_turn();
+    wgmma_gemm<true, -1>(mma_s, tSrQ(_, _, _, qbuf), tSrK(_, _, _, stage_of(0)), tSrS);
+    // The pending P V goes out with S_0. With none pending (a warpgroup's first tile) a dummy one
+    // of zero probabilities over V stage 0 goes out instead, its product discarded: ptxas
+    // serializes every wgmma of the kernel when the groups in flight differ between branches.
+    const bool fused = pend.stage >= 0;
+    if (fused) Barrier::wait(v_full + pend.stage, pend.phase);
+    wgmma_gemm<false, -1>(mma_o, tOrP, tOrVt(_, _, _, fused ? pend.stage : 0), tOrO);
+    pass_turn();
+    wgmma_wait<1>(tSrS);  // S_0 is in; the pending P V may still run
+    release(k_empty + stage_of(0));
+    if (n == 1) release(q_empty + qbuf);  // this tile's last read of Q
+    pend_m[0] = m[0], pend_m[1] = m[1], pend_l[0] = l[0], pend_l[1] = l[1];
+    m[0] = m[1] = cuda::kNegInf;
+    l[0] = l[1] = 0.f;
+    scores_to_probs();  // fresh statistics: alpha is not needed
+    wgmma_wait<0>(tOrO, tOrP);
+    if (fused) finish_pending(pend_m, pend_l);
+    cuda::zero<kD>(acc);
+    to_a_operand<Elem, kN>(tOrP, s);
+    for (int it = 1; it < n; ++it) {
+      walk.advance();
+      const int stage = stage_of(it), prev = stage_of(it - 1);
+      Barrier::wait(k_full + stage, phase_of(it));
       my_turn();
-      wgmma_gemm<true, -1>(mma_s, tSrQ(_, _, _, qbuf), tSrK(_, _, _, stage_of(0)), tSrS);
+      wgmma_gemm<true, -1>(mma_s, tSrQ(_, _, _, qbuf), tSrK(_, _, _, stage), tSrS);
+      Barrier::wait(v_full + prev, phase_of(it - 1));
+      wgmma_gemm<false, -1>(mma_o, tOrP, tOrVt(_, _, _, prev), tOrO);
       pass_turn();
-      wgmma_wait<0>(tSrS);
-      release(k_empty + stage_of(0));
-      if (n == 1) release(q_empty + qbuf);  // this tile's last read of Q
-      scores_to_probs();  // the accumulator is still zero: alpha is not needed
+      wgmma_wait<1>(tSrS);  // S_j is in; P_{j-1} V_{j-1} may still run
+      release(k_empty + stage);
+      if (it + 1 == n) release(q_empty + qbuf);
+      scores_to_probs();
+      wgmma_wait<0>(tOrO, tOrP);
+      release(v_empty + prev);
+      cuda::scale_rows<kD>(acc, alpha);
       to_a_operand<Elem, kN>(tOrP, s);
-      for (int it = 1; it < n; ++it) {
-        walk.advance();
-        const int stage = stage_of(it), prev = stage_of(it - 1);
-        Barrier::wait(k_full + stage, phase_of(it));
-        my_turn();
-        wgmma_gemm<true, -1>(mma_s, tSrQ(_, _, _, qbuf), tSrK(_, _, _, stage), tSrS);
-        Barrier::wait(v_full + prev, phase_of(it - 1));
-        wgmma_gemm<false, -1>(mma_o, tOrP, tOrVt(_, _, _, prev), tOrO);
-        pass_turn();
-        wgmma_wait<1>(tSrS);  // S_j is in; P_{j-1} V_{j-1} may still run
-        release(k_empty + stage);
-        if (it + 1 == n) release(q_empty + qbuf);
-        scores_to_probs();
-        wgmma_wait<0>(tOrO, tOrP);
-        release(v_empty + prev);
-        cuda::scale_rows<kD>(acc, alpha);
-        to_a_operand<Elem, kN>(tOrP, s);
-      }
-      const int last = stage_of(n - 1);
-      Barrier::wait(v_full + last, phase_of(n - 1));
-      wgmma_gemm<false, 0>(mma_o, tOrP, tOrVt(_, _, _, last), tOrO);
-      release(v_empty + last);
-      ++q_count;
-      kv += n;
     }
-    cuda::write_o_lse<Elem, kD>(p, b, h, i16 + lane / 4, acc, m, l, lane);
+    pend.stage = stage_of(n - 1);
+    pend.phase = phase_of(n - 1);
+    pend.b = b, pend.h = h, pend.i16 = i16;
+    ++q_count;
+    kv += n;
   }
+  flush_pending();
   // Warpgroup 1 handed the turn over once more than warpgroup 0 took it (the first hand-over):
   // take that one too, so no arrival is left on a named barrier when the CTA exits.
   if (wg == 0) my_turn();

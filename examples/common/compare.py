@@ -40,9 +40,10 @@ def peak_memory_mb(device: str) -> tuple:
 
 def train(model: torch.nn.Module, next_batch: Callable[[], Tuple[object, int]],
           loss_of: Callable[[torch.nn.Module, object], torch.Tensor], steps: int, lr: float, attention: str,
-          device: str) -> dict:
+          device: str, accum: int = 1) -> dict:
     """AdamW with a linear warm-up and gradient clipping, bf16 autocast on the GPU. next_batch()
-    gives (batch, tokens in it); loss_of(model, batch) the loss. Returns the run's record: per-step
+    gives (batch, tokens in it); loss_of(model, batch) the loss; each step accumulates the
+    gradients of accum batches, and its loss is their mean. Returns the run's record: per-step
     losses, time per step and tokens/s without the first steps (warm-up), peak memory."""
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / max(1, steps // 5)))
@@ -51,20 +52,23 @@ def train(model: torch.nn.Module, next_batch: Callable[[], Tuple[object, int]],
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
     for step in range(steps):
-        batch, n = next_batch()
+        batches = [next_batch() for _ in range(accum)]
         if device == "cuda":
             torch.cuda.synchronize()
         t0 = time.perf_counter()
-        with amp:
-            loss = loss_of(model, batch)
         opt.zero_grad(set_to_none=True)
-        loss.backward()
+        loss = 0.0
+        for batch, _ in batches:
+            with amp:
+                micro = loss_of(model, batch) / accum
+            micro.backward()
+            loss = loss + micro.detach()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         sched.step()
-        losses.append(loss.item())  # synchronises
+        losses.append(float(loss))  # synchronises
         times.append(time.perf_counter() - t0)
-        tokens.append(n)
+        tokens.append(sum(n for _, n in batches))
         progress(step, steps, f"{attention}: loss {losses[-1]:.3f}")
     skip = min(5, steps // 2)
     peak, kind = peak_memory_mb(device)

@@ -90,7 +90,7 @@ def run(args, attention: str) -> dict:
         logits = model(chunk[:, :-1])
         return nn.functional.cross_entropy(logits.float().flatten(0, 1), chunk[:, 1:].flatten())
 
-    return train(model, next_batch, loss_of, args.steps, args.lr, attention, device)
+    return train(model, next_batch, loss_of, args.steps, args.lr, attention, device, args.accum)
 
 
 def main():
@@ -100,11 +100,13 @@ def main():
     ap.add_argument("--steps", type=int, default=200 if gpu else 60)
     ap.add_argument("--seqlen", type=int, default=1024 if gpu else 128)
     ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--accum", type=int, default=1, help="batches whose gradients make one step")
     add_run_args(ap, "gpt2", lr=3e-4, runs=RUNS)
     args = ap.parse_args()
     device = "cuda" if gpu else "cpu"
-    title = f"GPT-2 {args.preset} on {device}, seqlen {args.seqlen}, batch {args.batch}, {args.steps} steps"
-    dispatch(args, os.path.abspath(__file__), run, ("preset", "steps", "seqlen", "batch", "lr", "seed"),
+    title = (f"GPT-2 {args.preset} on {device}, seqlen {args.seqlen}, batch {args.batch}"
+             f"{f' x {args.accum} accumulated' if args.accum > 1 else ''}, {args.steps} steps")
+    dispatch(args, os.path.abspath(__file__), run, ("preset", "steps", "seqlen", "batch", "accum", "lr", "seed"),
              f"gpt2_{args.preset}_{device}", title, RUNS)
 
 
