@@ -90,11 +90,6 @@ __global__ void __launch_bounds__(T::kNThreads, 1) flash_fwd_sm90_ws_kernel(cons
   if (warp < 4) {  // producer warpgroup: warp 0 schedules (lane 0 issues every copy)
     cutlass::arch::warpgroup_reg_dealloc<T::kProducerRegs>();
     if (warp != 0) return;
-    // Tile t's Q rows as a TMA view.
-    const auto q_rows = [&](const FwdParams& p, const GridTile& tile) {
-      return local_tile(tma_rows(args.tma_q, q_view(p), p.q_row0, tile.h, tile.b), Shape<Int<kM>, Int<kD>>{},
-                        make_coord(tile.block, 0));
-    };
     int t = blockIdx.x, q_count = 0, kv = 0;
     for (int j = 0;; ++j) {
       if (lane == 0) {
@@ -103,19 +98,6 @@ __global__ void __launch_bounds__(T::kNThreads, 1) flash_fwd_sm90_ws_kernel(cons
         Barrier::arrive(sched_full + (j & 1));  // (release: the index is visible to its waiters)
       }
       if (t >= args.num_tiles) break;
-      // The next tile is claimed as this one starts and its Q is prefetched into L2, so neither
-      // the counter's round trip nor Q's trip from memory delays the next tile's first MMA (the
-      // two-stage K/V ring lets this loop reach the next tile only one key step ahead).
-      const int t_next = claim_next_tile(args.num_tiles, args.tile_counter);
-      if (lane == 0 && t_next < args.num_tiles) {
-        const GridTile next = grid_tile<true>(t_next, num_m_blocks, args.p.h);
-        const FwdParams pn = seq_view(args.p, next.b);
-        if (next.block * kM < pn.seqlen_q) {
-          auto [tQg, tQs] = tma_partition(args.tma_q, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sQ),
-                                          group_modes<0, 2>(q_rows(pn, next)));
-          cute::prefetch(args.tma_q, tQg);
-        }
-      }
       const GridTile tile = grid_tile<true>(t, num_m_blocks, args.p.h);
       const int m0 = tile.block * kM, h = tile.h, b = tile.b;
       const FwdParams p = seq_view(args.p, b);
@@ -124,7 +106,8 @@ __global__ void __launch_bounds__(T::kNThreads, 1) flash_fwd_sm90_ws_kernel(cons
       if (m0 < p.seqlen_q && tiles.count > 0) {
         if (lane == 0) {
           const int hk = h / p.h_h_k_ratio;
-          Tensor gQ = q_rows(p, tile);
+          Tensor gQ = local_tile(tma_rows(args.tma_q, q_view(p), p.q_row0, h, b), Shape<Int<kM>, Int<kD>>{},
+                                 make_coord(tile.block, 0));
           Tensor gK = local_tile(tma_rows(args.tma_k, k_view(p), p.k_row0, hk, b), Shape<Int<kN>, Int<kD>>{},
                                  make_coord(_, 0));  // (kN, kD, tile)
           Tensor gV = local_tile(tma_rows(args.tma_v, v_view(p), p.k_row0, hk, b), Shape<Int<kN>, Int<kD>>{},
@@ -153,7 +136,7 @@ __global__ void __launch_bounds__(T::kNThreads, 1) flash_fwd_sm90_ws_kernel(cons
         ++q_count;
         kv += tiles.count;
       }
-      t = t_next;
+      t = claim_next_tile(args.num_tiles, args.tile_counter);  // once this tile's loads are queued
     }
     return;
   }
