@@ -13,6 +13,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 @pytest.mark.parametrize("example,args,runs", [
     ("gpt2", ["--preset", "tiny", "--steps", "4", "--seqlen", "32", "--batch", "2"], ["sdpa", "default", "ours"]),
+    ("gpt2", ["--preset", "tiny", "--steps", "4", "--seqlen", "32", "--batch", "2", "--repeat-reference"],
+     ["sdpa", "sdpa_again", "default", "ours"]),
     ("bert", ["--preset", "tiny", "--steps", "3", "--seqlen", "48", "--min-len", "8", "--batch", "3"], ["torch", "ours"]),
 ])
 def test_example_runs(tmp_path, example, args, runs):

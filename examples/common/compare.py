@@ -127,7 +127,7 @@ def run_all(script: str, child_args: list, out_dir: str, stem: str, title: str, 
     speedup = {r["attention"]: r["step_s"] / ours["step_s"] for r in results[:-1]}
     print(title)
     for r in results:
-        print(f"  {r['attention']:7s}: final loss {r['losses'][-1]:.4f}, {r['step_s'] * 1e3:.1f} ms/step, "
+        print(f"  {r['attention']:10s}: final loss {r['losses'][-1]:.4f}, {r['step_s'] * 1e3:.1f} ms/step, "
               f"{r['tokens_per_s']:,.0f} tokens/s, peak {r['peak_mb']:,.0f} MB ({r['peak_kind']})")
     print(f"  largest per-step loss difference against {ref['attention']}: "
           + ", ".join(f"{k} {100 * v:.3f}%" for k, v in diffs.items()))
@@ -145,7 +145,7 @@ def plot(results: list, path: str, title: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(7, 4))
-    for r, style in zip(results, ("-", "--", ":")):
+    for r, style in zip(results, ("-", "-.", "--", ":") if len(results) > 3 else ("-", "--", ":")):
         ax.plot(r["losses"], style, label=f"{r['attention']}: {r['tokens_per_s']:,.0f} tok/s, peak {r['peak_mb']:,.0f} MB")
     ax.set_xlabel("step")
     ax.set_ylabel("training loss")

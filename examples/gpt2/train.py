@@ -3,7 +3,9 @@
   fused SDPA kernel (FlashAttention-2 under bf16 on a GPU); the loss reference;
 - default: the blocks call the layer with its defaults (need_weights=True), as most code written
   for nn.MultiheadAttention does, so PyTorch materialises the attention weights;
-- ours: the sdpa run's model after flash_attn.replace_attention.
+- ours: the sdpa run's model after flash_attn.replace_attention;
+- sdpa_again (with --repeat-reference): the sdpa run once more, which shows how far PyTorch's
+  kernels move the curve from one run to the next (their backward sums in no fixed order).
 Dropout is off, so the runs compute the same function and their loss curves should lie on top of
 each other; the script prints and plots them, with tokens/s and peak memory of each.
 
@@ -37,6 +39,7 @@ PRESETS = {  # n_layer, n_head, n_embd, vocab
 
 
 RUNS = ("sdpa", "default", "ours")  # see the docstring
+REPEAT = "sdpa_again"  # the reference, run twice (--repeat-reference)
 
 
 class Block(nn.Module):
@@ -101,13 +104,16 @@ def main():
     ap.add_argument("--seqlen", type=int, default=1024 if gpu else 128)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--accum", type=int, default=1, help="batches whose gradients make one step")
-    add_run_args(ap, "gpt2", lr=3e-4, runs=RUNS)
+    ap.add_argument("--repeat-reference", action="store_true",
+                    help="run the reference (sdpa) a second time, to show its own run-to-run drift")
+    add_run_args(ap, "gpt2", lr=3e-4, runs=RUNS + (REPEAT,))
     args = ap.parse_args()
+    runs = (RUNS[0], REPEAT) + RUNS[1:] if args.repeat_reference else RUNS
     device = "cuda" if gpu else "cpu"
     title = (f"GPT-2 {args.preset} on {device}, seqlen {args.seqlen}, batch {args.batch}"
              f"{f' x {args.accum} accumulated' if args.accum > 1 else ''}, {args.steps} steps")
     dispatch(args, os.path.abspath(__file__), run, ("preset", "steps", "seqlen", "batch", "accum", "lr", "seed"),
-             f"gpt2_{args.preset}_{device}", title, RUNS)
+             f"gpt2_{args.preset}_{device}", title, runs)
 
 
 if __name__ == "__main__":
