@@ -68,22 +68,33 @@ __device__ __forceinline__ void dropout_qmajor(float (&s)[kN / 8][4], const Drop
   }
 }
 
-// Normalise the thread's two rows of a 16-row output tile (row0 = the tile's first row + g, and
-// row0 + 8) of head (b, h) by their softmax sums and write them and their logsumexp (-inf where
-// nothing was seen). p: a seq_view.
-template <typename Elem, int kD>
-__device__ __forceinline__ void write_o_lse(const FwdParams& p, int b, int h, int row0, const float (&acc)[kD / 8][4],
-                                            const float (&m)[2], const float (&l)[2], int lane) {
-  Elem* o = rows_of<Elem>(p.o_ptr, b, h, p.q_row0, p.o_batch_stride, p.o_row_stride, p.o_head_stride);
+// Write the logsumexp of the thread's two rows of a 16-row output tile (row0 = the tile's first
+// row + g, and row0 + 8) of head (b, h) (-inf where nothing was seen), and return through scale
+// what their outputs are multiplied by: the dropout rescale over the softmax sum (0 where nothing
+// was seen). p: a seq_view.
+__device__ __forceinline__ void write_lse(const FwdParams& p, int b, int h, int row0, const float (&m)[2],
+                                          const float (&l)[2], int lane, float (&scale)[2]) {
   float* lse = lse_rows(p, b, h);
 #pragma unroll
   for (int hr = 0; hr < 2; ++hr) {
     const int row = row0 + 8 * hr;
     const float lsum = quad_sum(l[hr]);
-    if (row >= p.seqlen_q) continue;
-    store_acc_row<Elem, kD>(o + row * p.o_row_stride, acc, hr, lsum > 0.f ? p.rp_dropout / lsum : 0.f, p.d, lane);
-    if (lane % 4 == 0)
-      lse[row] = lsum > 0.f ? (m[hr] + __log2f(lsum)) * kLn2 : kNegInf;
+    scale[hr] = lsum > 0.f ? p.rp_dropout / lsum : 0.f;
+    if (row < p.seqlen_q && lane % 4 == 0) lse[row] = lsum > 0.f ? (m[hr] + __log2f(lsum)) * kLn2 : kNegInf;
+  }
+}
+
+// The same rows' logsumexp, and their outputs normalised and stored.
+template <typename Elem, int kD>
+__device__ __forceinline__ void write_o_lse(const FwdParams& p, int b, int h, int row0, const float (&acc)[kD / 8][4],
+                                            const float (&m)[2], const float (&l)[2], int lane) {
+  float scale[2];
+  write_lse(p, b, h, row0, m, l, lane, scale);
+  Elem* o = rows_of<Elem>(p.o_ptr, b, h, p.q_row0, p.o_batch_stride, p.o_row_stride, p.o_head_stride);
+#pragma unroll
+  for (int hr = 0; hr < 2; ++hr) {
+    const int row = row0 + 8 * hr;
+    if (row < p.seqlen_q) store_acc_row<Elem, kD>(o + row * p.o_row_stride, acc, hr, scale[hr], p.d, lane);
   }
 }
 

@@ -27,11 +27,15 @@ using FwdSm90WsConfig = FwdSm90WsTraits<Elem, kHeadDim, (kHeadDim <= 128 ? 128 :
 template <typename T>
 FwdSm90WsParams<T> ws_params(const FwdParams& p, int num_tiles, int* tile_counter) {
   using CElem = typename T::CElem;
+  const bool o_tma = T::kTmaO && o_view(p).compatible();
   return FwdSm90WsParams<T>{
       p,
       make_tma_copy(cute::SM90_TMA_LOAD{}, q_view(p).tensor<CElem>(), typename T::SmemLayoutQ{}),
       make_tma_copy(cute::SM90_TMA_LOAD{}, k_view(p).tensor<CElem>(), typename T::SmemLayoutKVStage{}),
       make_tma_copy(cute::SM90_TMA_LOAD{}, v_view(p).tensor<CElem>(), typename T::SmemLayoutKVStage{}),
+      // (Where o does not suit TMA, a descriptor of q of the same type stands in, never used.)
+      make_tma_copy(cute::SM90_TMA_STORE{}, (o_tma ? o_view(p) : q_view(p)).tensor<CElem>(), typename T::SmemLayoutOWg{}),
+      o_tma,
       num_tiles,
       tile_counter};
 }

@@ -9,7 +9,8 @@
 // - between the warpgroups, named barriers make them take turns issuing their MMAs, so one's
 //   softmax overlaps the other's MMAs (ping-pong);
 // - across tiles, a tile's last P V goes out with the next tile's S_0, and its output is stored
-//   while the other warpgroup's MMAs run.
+//   while the other warpgroup's MMAs run; from head dim 128 on it is written into the tile's Q
+//   buffer (stmatrix) and sent to global memory by a TMA store, so no warp waits on its writes.
 #pragma once
 
 #include <cutlass/arch/barrier.h>
@@ -25,12 +26,15 @@ namespace flash::hopper {
 // The kernel's parameters: the op's, plus the TMA descriptors the launcher built for q, k and v,
 // and the tile schedule: num_tiles (query block, head, batch) tiles, the first gridDim.x taken in
 // CTA order and the rest claimed from tile_counter (zeroed by the launcher; unused, and may be
-// null, when there are no more tiles than CTAs).
+// null, when there are no more tiles than CTAs). tma_o: the output's TMA store, used where
+// T::kTmaO and o_tma (o's view meets TMA's alignment).
 template <typename T>
 struct FwdSm90WsParams {
   FwdParams p;
   typename T::TmaQ tma_q;
   typename T::TmaKV tma_k, tma_v;
+  typename T::TmaO tma_o;
+  bool o_tma;
   int num_tiles;
   int* tile_counter;
 };
@@ -68,7 +72,7 @@ __global__ void __launch_bounds__(T::kNThreads, 1) flash_fwd_sm90_ws_kernel(cons
   if (tid == 0) {
     for (int i = 0; i < kQBufs; ++i) {
       Barrier::init(q_full + i, 1);
-      Barrier::init(q_empty + i, kConsumerWarps);
+      Barrier::init(q_empty + i, T::kTmaO ? 2 : kConsumerWarps);  // kTmaO: once per warpgroup's store
     }
     for (int s = 0; s < kStages; ++s) {
       Barrier::init(k_full + s, 1);
@@ -171,18 +175,73 @@ __global__ void __launch_bounds__(T::kNThreads, 1) flash_fwd_sm90_ws_kernel(cons
   // A tile's last P V is issued in the same turn as the next tile's S_0 (as every step pairs S_j
   // with P_{j-1} V_{j-1}), and its output is written once that P V is in, while the other
   // warpgroup has the tensor cores: the boundary takes no turn of its own (no measured gain on
-  // the H200, NOTES 2026-12-03). Until then the tile is "pending": its P in tOrP, its rows'
-  // statistics in m / l, and in pend_m / pend_l once the next tile has started.
+  // the H200, NOTES 2026-12-03). Until then the tile is
+  // "pending": its P in tOrP, its rows' statistics in m / l, and in pend_m / pend_l once the next
+  // tile has started.
   struct Pending {
-    int stage = -1, b, h, i16;  // stage -1: none
+    int stage = -1, b, h, block, i16, qbuf;  // stage -1: none
     uint32_t phase;
   } pend;
   float m[2], l[2], alpha[2], pend_m[2], pend_l[2];
   cute::clear(tOrP);  // the probabilities of the first (dummy) pending P V
+  // kTmaO: a tile's output goes out from its Q buffer (this warpgroup's 64 rows) with a TMA store
+  // by the warpgroup's first thread, which frees the buffer once the store has read it, at the
+  // warpgroup's next MMA turn or tile start. o_buf: the buffer of a store not yet waited for.
+  int o_buf = -1;
+  const auto release_o = [&] {
+    if constexpr (T::kTmaO) {
+      if (o_buf < 0) return;
+      if (ctid % 128 == 0) {
+        tma_store_wait<0>();
+        Barrier::arrive(q_empty + o_buf);
+      }
+      o_buf = -1;
+    }
+  };
   // After the pending P V is waited for; mp, lp: the pending rows' statistics.
   const auto finish_pending = [&](const float(&mp)[2], const float(&lp)[2]) {
     release(v_empty + pend.stage);
-    cuda::write_o_lse<Elem, kD>(seq_view(args.p, pend.b), pend.b, pend.h, pend.i16 + lane / 4, acc, mp, lp, lane);
+    const FwdParams pp = seq_view(args.p, pend.b);
+    if constexpr (T::kTmaO) {
+      release_o();
+      // (A varlen tile that runs past its sequence's rows is stored from registers: TMA clips
+      // only at the packed tensor's end.)
+      const bool tma = args.o_tma && (pp.cu_seqlens_q == nullptr || (pend.block + 1) * kM <= pp.seqlen_q);
+      if (tma) {
+        float scale[2];
+        cuda::write_lse(pp, pend.b, pend.h, pend.i16 + lane / 4, mp, lp, lane, scale);
+        Tensor rO = make_tensor_like<CElem>(tOrO);
+        auto rO32 = recast<uint32_t>(rO);
+#pragma unroll
+        for (int dt = 0; dt < kD / 8; ++dt) {
+          rO32(2 * dt) = cuda::pack2<Elem>(acc[dt][0] * scale[0], acc[dt][1] * scale[0]);
+          rO32(2 * dt + 1) = cuda::pack2<Elem>(acc[dt][2] * scale[1], acc[dt][3] * scale[1]);
+        }
+        const auto stsm = make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, CElem>{}, mma_o);
+        const auto thr_stsm = stsm.get_thread_slice(ctid);
+        Tensor tOsO = thr_stsm.partition_D(sQ(_, _, pend.qbuf));
+        copy(stsm, thr_stsm.retile_S(rO), tOsO);
+        tma_store_fence();  // the rows are visible to the TMA unit
+      } else {
+        cuda::write_o_lse<Elem, kD>(pp, pend.b, pend.h, pend.i16 + lane / 4, acc, mp, lp, lane);
+      }
+      NamedBarrier::sync(128, 3 + wg);  // the warpgroup's rows are written and its MMAs done
+      if (ctid % 128 == 0) {
+        if (tma) {
+          Tensor gO = local_tile(tma_rows(args.tma_o, o_view(args.p), pp.q_row0, pend.h, pend.b),
+                                 Shape<_64, Int<kD>>{}, make_coord(2 * pend.block + wg, 0));
+          Tensor sO = local_tile(sQ(_, _, pend.qbuf), Shape<_64, Int<kD>>{}, make_coord(wg, 0));
+          auto [tOg, tOs] = tma_partition(args.tma_o, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sO), group_modes<0, 2>(gO));
+          copy(args.tma_o, tOs, tOg);
+          tma_store_arrive();
+        } else {
+          Barrier::arrive(q_empty + pend.qbuf);
+        }
+      }
+      if (tma) o_buf = pend.qbuf;
+    } else {
+      cuda::write_o_lse<Elem, kD>(pp, pend.b, pend.h, pend.i16 + lane / 4, acc, mp, lp, lane);
+    }
     pend.stage = -1;
   };
   const auto flush_pending = [&] {
@@ -194,6 +253,7 @@ __global__ void __launch_bounds__(T::kNThreads, 1) flash_fwd_sm90_ws_kernel(cons
 
   int q_count = 0, kv = 0;
   for (int j = 0;; ++j) {
+    release_o();
     Barrier::wait(sched_full + (j & 1), (j >> 1) & 1);
     const int t = sched_tile[j & 1];
     __syncwarp();
@@ -239,7 +299,7 @@ __global__ void __launch_bounds__(T::kNThreads, 1) flash_fwd_sm90_ws_kernel(cons
     pass_turn();
     wgmma_wait<1>(tSrS);  // S_0 is in; the pending P V may still run
     release(k_empty + stage_of(0));
-    if (n == 1) release(q_empty + qbuf);  // this tile's last read of Q
+    if (!T::kTmaO && n == 1) release(q_empty + qbuf);  // this tile's last read of Q
     pend_m[0] = m[0], pend_m[1] = m[1], pend_l[0] = l[0], pend_l[1] = l[1];
     m[0] = m[1] = cuda::kNegInf;
     l[0] = l[1] = 0.f;
@@ -257,9 +317,10 @@ __global__ void __launch_bounds__(T::kNThreads, 1) flash_fwd_sm90_ws_kernel(cons
       Barrier::wait(v_full + prev, phase_of(it - 1));
       wgmma_gemm<false, -1>(mma_o, tOrP, tOrVt(_, _, _, prev), tOrO);
       pass_turn();
+      release_o();
       wgmma_wait<1>(tSrS);  // S_j is in; P_{j-1} V_{j-1} may still run
       release(k_empty + stage);
-      if (it + 1 == n) release(q_empty + qbuf);
+      if (!T::kTmaO && it + 1 == n) release(q_empty + qbuf);
       scores_to_probs();
       wgmma_wait<0>(tOrO, tOrP);
       release(v_empty + prev);
@@ -268,11 +329,12 @@ __global__ void __launch_bounds__(T::kNThreads, 1) flash_fwd_sm90_ws_kernel(cons
     }
     pend.stage = stage_of(n - 1);
     pend.phase = phase_of(n - 1);
-    pend.b = b, pend.h = h, pend.i16 = i16;
+    pend.b = b, pend.h = h, pend.block = tile.block, pend.i16 = i16, pend.qbuf = qbuf;
     ++q_count;
     kv += n;
   }
   flush_pending();
+  release_o();
   // Warpgroup 1 handed the turn over once more than warpgroup 0 took it (the first hand-over):
   // take that one too, so no arrival is left on a named barrier when the CTA exits.
   if (wg == 0) my_turn();

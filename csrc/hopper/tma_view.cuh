@@ -59,6 +59,9 @@ FLASH_HOST_DEVICE TmaView same_shape(TmaView v, const void* ptr, int64_t row, in
 FLASH_HOST_DEVICE TmaView v_view(const FwdParams& p) {
   return same_shape(k_view(p), p.v_ptr, p.v_row_stride, p.v_head_stride, p.v_batch_stride);
 }
+FLASH_HOST_DEVICE TmaView o_view(const FwdParams& p) {
+  return same_shape(q_view(p), p.o_ptr, p.o_row_stride, p.o_head_stride, p.o_batch_stride);
+}
 FLASH_HOST_DEVICE TmaView do_view(const BwdParams& p) {
   return same_shape(q_view(p), p.do_ptr, p.do_row_stride, p.do_head_stride, p.do_batch_stride);
 }
