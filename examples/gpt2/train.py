@@ -4,8 +4,8 @@
 - default: the blocks call the layer with its defaults (need_weights=True), as most code written
   for nn.MultiheadAttention does, so PyTorch materialises the attention weights;
 - ours: the sdpa run's model after flash_attn.replace_attention;
-- sdpa_again (with --repeat-reference): the sdpa run once more, which shows how far PyTorch's
-  kernels move the curve from one run to the next (their backward sums in no fixed order).
+- sdpa_again (with --repeat-reference): the sdpa run once more, which shows how far the curve
+  moves from one run to the next (kernels that add with atomics sum in no fixed order).
 Dropout is off, so the runs compute the same function and their loss curves should lie on top of
 each other; the script prints and plots them, with tokens/s and peak memory of each.
 
