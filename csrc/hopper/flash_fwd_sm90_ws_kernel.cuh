@@ -175,9 +175,8 @@ __global__ void __launch_bounds__(T::kNThreads, 1) flash_fwd_sm90_ws_kernel(cons
   // A tile's last P V is issued in the same turn as the next tile's S_0 (as every step pairs S_j
   // with P_{j-1} V_{j-1}), and its output is written once that P V is in, while the other
   // warpgroup has the tensor cores: the boundary takes no turn of its own (no measured gain on
-  // the H200, NOTES 2026-12-03). Until then the tile is
-  // "pending": its P in tOrP, its rows' statistics in m / l, and in pend_m / pend_l once the next
-  // tile has started.
+  // the H200, NOTES 2026-12-03). Until then the tile is "pending": its P in tOrP, its rows'
+  // statistics in m / l, and in pend_m / pend_l once the next tile has started.
   struct Pending {
     int stage = -1, b, h, block, i16, qbuf;  // stage -1: none
     uint32_t phase;
