@@ -1,5 +1,6 @@
 """GPU benchmark: our kernels against PyTorch SDPA's backends (FLASH_ATTENTION = FlashAttention-2,
-CUDNN_ATTENTION, EFFICIENT_ATTENTION, MATH where it fits), side by side in one run.
+CUDNN_ATTENTION, EFFICIENT_ATTENTION, MATH where it fits) and FlexAttention (impl "flex":
+torch.compile'd flex_attention, causal as a BlockMask), side by side in one run.
 
 Setup as in the flash-attn benchmarks: batch * seqlen = 16384 tokens, nheads * headdim = 2048.
 FLOPs: fwd = 4 b h s^2 d (halved for causal), bwd = 2.5 x fwd. Times are medians of CUDA-event
@@ -33,11 +34,39 @@ ENV_IMPLS = {"ours_portable": {"FLASH_ATTN_DISABLE_SM90": "1"},
              "ours_per_tile": {"FLASH_ATTN_SM90_FWD_PERSISTENT": "0"}}
 
 
+_flex = None
+
+
+def compiled_flex():
+    """torch.compile'd flex_attention, compiled once per process."""
+    import torch._dynamo
+    import torch._functorch.config as functorch_config
+    from torch.nn.attention.flex_attention import flex_attention
+    global _flex
+    if _flex is None:
+        # Donated buffers (the compiled backward freeing saved tensors as it goes) forbid the
+        # retain_graph backward that interleaved_times times on its own.
+        functorch_config.donated_buffer = False
+        # A compile per shape, block mask function and grad mode: past Dynamo's limits (8 per
+        # function) it would fall back to the unfused, scores-materializing implementation. Static
+        # shapes: from a second shape on Dynamo would otherwise compile for dynamic ones, whose
+        # kernels ran 1.3x slower on the H200 (NOTES, fifteenth session).
+        torch._dynamo.config.recompile_limit = 1000
+        torch._dynamo.config.accumulated_recompile_limit = 10000
+        _flex = torch.compile(flex_attention, dynamic=False)
+    return _flex
+
+
 def make_fn(impl, b, s, h, d, dtype, causal):
     if impl in ("ours", *ENV_IMPLS):
         q, k, v = [torch.randn(b, s, h, d, device="cuda", dtype=dtype, requires_grad=True) for _ in range(3)]
         return (lambda: flash_attn_func(q, k, v, causal=causal)), (q, k, v)
     q, k, v = [torch.randn(b, h, s, d, device="cuda", dtype=dtype, requires_grad=True) for _ in range(3)]
+    if impl == "flex":  # no mask, or causal as a BlockMask (its tiles above the diagonal skipped)
+        from torch.nn.attention.flex_attention import create_block_mask
+        flex_attention = compiled_flex()
+        block_mask = create_block_mask(lambda b_, h_, i, j: j <= i, None, None, s, s, device="cuda") if causal else None
+        return (lambda: flex_attention(q, k, v, block_mask=block_mask)), (q, k, v)
 
     def fn():
         with sdpa_kernel(SDPA[impl]):
@@ -192,7 +221,7 @@ def main():
     ap.add_argument("--hdims", default="64,128,256")
     ap.add_argument("--seqlens", default="512,1024,2048,4096,8192,16384")
     ap.add_argument("--causal", default="0,1")
-    ap.add_argument("--impls", default="ours,fa2,cudnn,efficient,math")
+    ap.add_argument("--impls", default="ours,fa2,cudnn,efficient,math,flex")
     ap.add_argument("--math-max-seqlen", type=int, default=4096)
     ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "gpu.json"))
     ap.add_argument("--plot", default=None)

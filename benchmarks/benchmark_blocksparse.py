@@ -18,11 +18,10 @@ import sys
 from statistics import median
 
 import torch
-import torch._functorch.config as functorch_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from benchmarks.benchmark_attention import (finish_axis, interleaved_times, median_ratio,  # noqa: E402
+from benchmarks.benchmark_attention import (compiled_flex, finish_axis, interleaved_times, median_ratio,  # noqa: E402
                                             peak_fwd_bwd_bytes, save_results)
 from flash_attn import BlockSparseMask, flash_attn_blocksparse_func, flash_attn_func  # noqa: E402
 from flash_attn.block_sparse import butterfly_layout, random_layout  # noqa: E402
@@ -43,24 +42,16 @@ def ours(b, s, h, d, dtype, layout):
     return (lambda: flash_attn_blocksparse_func(q, k, v, mask)), (q, k, v)
 
 
-_flex = None
-
-
 def flex(b, s, h, d, dtype, layout):
-    from torch.nn.attention.flex_attention import BlockMask, flex_attention
-    global _flex
-    if _flex is None:
-        # Donated buffers (the compiled backward freeing saved tensors as it goes) forbid the
-        # retain_graph backward that interleaved_times times on its own.
-        functorch_config.donated_buffer = False
-        _flex = torch.compile(flex_attention)
+    from torch.nn.attention.flex_attention import BlockMask
+    flex_attention = compiled_flex()
     # The same kept blocks, all marked full (no mask_mod inside them): FlexAttention's fastest form.
     lists = BlockSparseMask.from_layout(layout, s, s).q_lists.to("cuda")
     counts, indices = lists[..., 0].contiguous(), lists[..., 1:].clamp(min=0).contiguous()
     block_mask = BlockMask.from_kv_blocks(torch.zeros_like(counts), torch.zeros_like(indices), counts, indices,
                                           BLOCK_SIZE=BLOCK, seq_lengths=(s, s))
     q, k, v = inputs(b, s, h, d, dtype, heads_first=True)
-    return (lambda: _flex(q, k, v, block_mask=block_mask)), (q, k, v)
+    return (lambda: flex_attention(q, k, v, block_mask=block_mask)), (q, k, v)
 
 
 IMPLS = {"ours": ours, "flex": flex}

@@ -1,5 +1,6 @@
 import os
 import sys
+import zlib
 
 import pytest
 import torch
@@ -17,6 +18,8 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture(autouse=True)
-def _fresh_seed(request):
-    # Fresh random inputs per test, but reproducible from the test id when a failure is re-run.
-    torch.manual_seed(hash(request.node.nodeid) % (2**31))
+def _seeded(request):
+    # Random inputs from a seed fixed by the test id, so a failure reproduces when re-run (crc32:
+    # Python's str hash changes from process to process); FLASH_ATTN_TEST_SEED=N draws another set.
+    offset = int(os.environ.get("FLASH_ATTN_TEST_SEED", "0"))
+    torch.manual_seed((zlib.crc32(request.node.nodeid.encode()) + offset) % (2**31))
