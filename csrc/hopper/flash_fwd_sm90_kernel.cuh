@@ -24,10 +24,10 @@ __global__ void __launch_bounds__(T::kNThreads, T::kMinBlocks) flash_fwd_sm90_ke
   extern __shared__ char smem_raw[];
   CElem* sq_ptr = aligned_smem<T::kSmemAlign, CElem>(smem_raw);
   CElem* sk_ptr = sq_ptr + T::kSmemQ;
-  CElem* sv_ptr = sk_ptr + T::kSmemKV;
+  CElem* sv_ptr = sk_ptr + T::kSmemK;
   Tensor sQ = make_tensor(make_smem_ptr(sq_ptr), typename T::SmemLayoutQ{});
-  Tensor sK = make_tensor(make_smem_ptr(sk_ptr), typename T::SmemLayoutKV{});
-  Tensor sV = make_tensor(make_smem_ptr(sv_ptr), typename T::SmemLayoutKV{});
+  Tensor sK = make_tensor(make_smem_ptr(sk_ptr), typename T::SmemLayoutK{});
+  Tensor sV = make_tensor(make_smem_ptr(sv_ptr), typename T::SmemLayoutV{});
   Tensor sVt = make_tensor(make_smem_ptr(sv_ptr), typename T::SmemLayoutVt{});
 
   // Last query block first (see flash_fwd_kernel).

@@ -20,9 +20,20 @@ namespace flash::hopper {
 template <typename Elem, int kHeadDim>
 using FwdSm90Config = FwdSm90Traits<Elem, kHeadDim, 128, (kHeadDim <= 128 ? 128 : 64), (kHeadDim <= 64 ? 2 : 1)>;
 
-// The warp-specialized kernel (every head dim): the cp.async kernel's key tiles, two stages.
+// The warp-specialized kernel (every head dim): the cp.async kernel's key tiles. K and V in three
+// stages up to head dim 96; at 128 only V (two Q buffers with three K and three V stages exceed
+// 227 KB); two above. The third stage lets the next tile's first loads go out before this tile's
+// last ones are read: measured against two stages, forward 6-12% faster at 512 keys a row and
+// 4-10% at 16384 for head dims 32-96; at 128, 8% at 512, 4% at 1024, equal at 16384. At 128,
+// three K stages with two V, and three of each with one Q buffer, were slower (NOTES, sixteenth
+// session).
+template <int kHeadDim>
+constexpr int kFwdKStages = kHeadDim <= 96 ? 3 : 2;
+template <int kHeadDim>
+constexpr int kFwdVStages = kHeadDim <= 128 ? 3 : 2;
 template <typename Elem, int kHeadDim>
-using FwdSm90WsConfig = FwdSm90WsTraits<Elem, kHeadDim, (kHeadDim <= 128 ? 128 : 64), 2>;
+using FwdSm90WsConfig = FwdSm90WsTraits<Elem, kHeadDim, (kHeadDim <= 128 ? 128 : 64), kFwdKStages<kHeadDim>,
+                                        kFwdVStages<kHeadDim>>;
 
 template <typename T>
 FwdSm90WsParams<T> ws_params(const FwdParams& p, int num_tiles, int* tile_counter) {

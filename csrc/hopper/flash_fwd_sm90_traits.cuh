@@ -7,25 +7,29 @@
 
 namespace flash::hopper {
 
-// kBlockM query rows on kBlockM / 64 warpgroups (64 rows each) and kBlockN keys per step, K and V
-// double-buffered. S = Q K^T reads both operands from shared memory (K-major); O += P V takes P
-// from registers and V^T as an MN-major view of the same V tile.
-template <typename Elem_, int kHeadDim_, int kBlockM_, int kBlockN_, int kMinBlocks_ = 1, int kStages_ = 2>
+// kBlockM query rows on kBlockM / 64 warpgroups (64 rows each) and kBlockN keys per step, K in
+// kStages buffers and V in kStagesV. S = Q K^T reads both operands from shared memory (K-major);
+// O += P V takes P from registers and V^T as an MN-major view of the same V tile.
+template <typename Elem_, int kHeadDim_, int kBlockM_, int kBlockN_, int kMinBlocks_ = 1, int kStages_ = 2,
+          int kStagesV_ = kStages_>
 struct FwdSm90Traits {
   using Elem = Elem_;
   using CElem = CuteElem<Elem>;
-  static constexpr int kHeadDim = kHeadDim_, kBlockM = kBlockM_, kBlockN = kBlockN_, kStages = kStages_;
+  static constexpr int kHeadDim = kHeadDim_, kBlockM = kBlockM_, kBlockN = kBlockN_;
+  static constexpr int kStages = kStages_, kStagesV = kStagesV_;
   static constexpr int kMinBlocks = kMinBlocks_;  // CTAs per SM the registers must allow
   static constexpr int kNWarpGroups = kBlockM / 64, kNThreads = 128 * kNWarpGroups;
   static_assert(kBlockM % 64 == 0 && kBlockN % 16 == 0 && kHeadDim % 32 == 0, "tile shapes");
 
   using Atom = SmemAtomK<CElem, kHeadDim>;
   using SmemLayoutQ = decltype(cute::tile_to_shape(Atom{}, cute::Shape<cute::Int<kBlockM>, cute::Int<kHeadDim>>{}));
-  using SmemLayoutKV = decltype(cute::tile_to_shape(
+  using SmemLayoutK = decltype(cute::tile_to_shape(
       Atom{}, cute::Shape<cute::Int<kBlockN>, cute::Int<kHeadDim>, cute::Int<kStages>>{}));
+  using SmemLayoutV = decltype(cute::tile_to_shape(
+      Atom{}, cute::Shape<cute::Int<kBlockN>, cute::Int<kHeadDim>, cute::Int<kStagesV>>{}));
   // V^T(d, key, stage) = V(key, d, stage): same bytes, coordinates swapped.
   using SmemLayoutVt = decltype(cute::composition(
-      SmemLayoutKV{}, cute::make_ordered_layout(cute::Shape<cute::Int<kHeadDim>, cute::Int<kBlockN>, cute::Int<kStages>>{},
+      SmemLayoutV{}, cute::make_ordered_layout(cute::Shape<cute::Int<kHeadDim>, cute::Int<kBlockN>, cute::Int<kStagesV>>{},
                                                 cute::Step<cute::_2, cute::_1, cute::_3>{})));
 
   using WarpGroups = cute::Layout<cute::Shape<cute::Int<kNWarpGroups>, cute::_1, cute::_1>>;
@@ -37,17 +41,18 @@ struct FwdSm90Traits {
                                  cute::GMMA::Major::K, cute::GMMA::Major::MN>(),
       WarpGroups{}));
 
-  static constexpr int kSmemQ = int(cute::cosize_v<SmemLayoutQ>), kSmemKV = int(cute::cosize_v<SmemLayoutKV>);
+  static constexpr int kSmemQ = int(cute::cosize_v<SmemLayoutQ>), kSmemK = int(cute::cosize_v<SmemLayoutK>);
+  static constexpr int kSmemV = int(cute::cosize_v<SmemLayoutV>);
   static constexpr int kSmemAlign = 1024;  // the 128-byte swizzle repeats every 1024 bytes
-  static constexpr int kSmemBytes = (kSmemQ + 2 * kSmemKV) * int(sizeof(Elem)) + kSmemAlign;
+  static constexpr int kSmemBytes = (kSmemQ + kSmemK + kSmemV) * int(sizeof(Elem)) + kSmemAlign;
 };
 
 // The warp-specialized forward (flash_fwd_sm90_ws_kernel.cuh): the same tiles and MMAs on two
 // consumer warpgroups (128 query rows), plus a producer warpgroup that streams Q, K and V in with
 // TMA. The producer gives its registers to the consumers (setmaxnreg).
-template <typename Elem_, int kHeadDim_, int kBlockN_, int kStages_ = 2>
-struct FwdSm90WsTraits : FwdSm90Traits<Elem_, kHeadDim_, 128, kBlockN_, 1, kStages_> {
-  using Base = FwdSm90Traits<Elem_, kHeadDim_, 128, kBlockN_, 1, kStages_>;
+template <typename Elem_, int kHeadDim_, int kBlockN_, int kStages_, int kStagesV_>
+struct FwdSm90WsTraits : FwdSm90Traits<Elem_, kHeadDim_, 128, kBlockN_, 1, kStages_, kStagesV_> {
+  using Base = FwdSm90Traits<Elem_, kHeadDim_, 128, kBlockN_, 1, kStages_, kStagesV_>;
   using typename Base::CElem;
   static constexpr int kNConsumerThreads = Base::kNThreads, kNThreads = Base::kNThreads + 128;
   static constexpr int kProducerRegs = 24, kConsumerRegs = 240;  // 128 x 24 + 256 x 240 <= 64K
@@ -65,10 +70,10 @@ struct FwdSm90WsTraits : FwdSm90Traits<Elem_, kHeadDim_, 128, kBlockN_, 1, kStag
       cute::SM90_TMA_LOAD{},
       cute::make_tensor(cute::make_gmem_ptr(static_cast<const CElem*>(nullptr)), GmemShape{}, GmemStride{}),
       SmemLayoutKVStage{}));
-  static constexpr uint32_t kQBytes = Base::kSmemQ * sizeof(CElem), kKVBytes = Base::kSmemKV / kStages_ * sizeof(CElem);
-  // Full/empty mbarriers: per Q buffer, per K/V stage (K full, V full, K empty, V empty), and per
-  // slot of the two-slot tile schedule; then the schedule's two tile indices.
-  static constexpr int kNBarriers(int q_bufs) { return 2 * q_bufs + 4 * kStages_ + 4; }
+  static constexpr uint32_t kQBytes = Base::kSmemQ * sizeof(CElem), kKVBytes = Base::kSmemK / kStages_ * sizeof(CElem);
+  // Full/empty mbarriers: per Q buffer, per K stage, per V stage, and per slot of the two-slot tile
+  // schedule; then the schedule's two tile indices.
+  static constexpr int kNBarriers(int q_bufs) { return 2 * q_bufs + 2 * kStages_ + 2 * kStagesV_ + 4; }
   static constexpr int bytes_with(int q_bufs) {
     return Base::kSmemBytes + (q_bufs - 1) * kQBytes + kNBarriers(q_bufs) * 8 + 2 * 4;
   }

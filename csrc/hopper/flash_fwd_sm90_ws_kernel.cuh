@@ -15,6 +15,7 @@
 
 #include <cutlass/arch/barrier.h>
 #include <cutlass/arch/reg_reconfig.h>
+#include <cutlass/pipeline/sm90_pipeline.hpp>
 
 #include "../cuda/flash_fwd_kernel.cuh"
 #include "flash_fwd_sm90_traits.cuh"
@@ -47,23 +48,24 @@ __global__ void __launch_bounds__(T::kNThreads, 1) flash_fwd_sm90_ws_kernel(cons
   using Elem = typename T::Elem;
   using CElem = typename T::CElem;
   using Barrier = cutlass::arch::ClusterTransactionBarrier;
-  constexpr int kD = T::kHeadDim, kM = T::kBlockM, kN = T::kBlockN, kStages = T::kStages, kQBufs = T::kQBufs;
+  constexpr int kD = T::kHeadDim, kM = T::kBlockM, kN = T::kBlockN, kQBufs = T::kQBufs;
+  constexpr int kStagesK = T::kStages, kStagesV = T::kStagesV;
   extern __shared__ char smem_raw[];
   CElem* sq_ptr = aligned_smem<T::kSmemAlign, CElem>(smem_raw);
   CElem* sk_ptr = sq_ptr + kQBufs * T::kSmemQ;
-  CElem* sv_ptr = sk_ptr + T::kSmemKV;
-  uint64_t* q_full = reinterpret_cast<uint64_t*>(sv_ptr + T::kSmemKV);
+  CElem* sv_ptr = sk_ptr + T::kSmemK;
+  uint64_t* q_full = reinterpret_cast<uint64_t*>(sv_ptr + T::kSmemV);
   uint64_t* q_empty = q_full + kQBufs;
   uint64_t* k_full = q_empty + kQBufs;
-  uint64_t* v_full = k_full + kStages;
-  uint64_t* k_empty = v_full + kStages;
-  uint64_t* v_empty = k_empty + kStages;
-  uint64_t* sched_full = v_empty + kStages;
+  uint64_t* k_empty = k_full + kStagesK;
+  uint64_t* v_full = k_empty + kStagesK;
+  uint64_t* v_empty = v_full + kStagesV;
+  uint64_t* sched_full = v_empty + kStagesV;
   uint64_t* sched_empty = sched_full + 2;
   int* sched_tile = reinterpret_cast<int*>(sched_empty + 2);
   Tensor sQ = make_tensor(make_smem_ptr(sq_ptr), typename T::SmemLayoutQs{});
-  Tensor sK = make_tensor(make_smem_ptr(sk_ptr), typename T::SmemLayoutKV{});
-  Tensor sV = make_tensor(make_smem_ptr(sv_ptr), typename T::SmemLayoutKV{});
+  Tensor sK = make_tensor(make_smem_ptr(sk_ptr), typename T::SmemLayoutK{});
+  Tensor sV = make_tensor(make_smem_ptr(sv_ptr), typename T::SmemLayoutV{});
   Tensor sVt = make_tensor(make_smem_ptr(sv_ptr), typename T::SmemLayoutVt{});
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
@@ -74,10 +76,12 @@ __global__ void __launch_bounds__(T::kNThreads, 1) flash_fwd_sm90_ws_kernel(cons
       Barrier::init(q_full + i, 1);
       Barrier::init(q_empty + i, T::kTmaO ? 2 : kConsumerWarps);  // kTmaO: once per warpgroup's store
     }
-    for (int s = 0; s < kStages; ++s) {
+    for (int s = 0; s < kStagesK; ++s) {
       Barrier::init(k_full + s, 1);
-      Barrier::init(v_full + s, 1);
       Barrier::init(k_empty + s, kConsumerWarps);
+    }
+    for (int s = 0; s < kStagesV; ++s) {
+      Barrier::init(v_full + s, 1);
       Barrier::init(v_empty + s, kConsumerWarps);
     }
     for (int i = 0; i < 2; ++i) {
@@ -88,13 +92,16 @@ __global__ void __launch_bounds__(T::kNThreads, 1) flash_fwd_sm90_ws_kernel(cons
   }
   __syncthreads();
 
-  // Both roles walk the same tiles and count the same Q loads (q_count) and K/V stages (kv), so
-  // every barrier's phase follows from the counts; the j-th tile goes through schedule slot j % 2.
+  // Both roles walk the same tiles and count the same Q loads (q_count) and K and V loads (the
+  // pipeline states kst, vst: stage and phase of the next one), so every barrier's phase follows
+  // from the counts; the j-th tile goes through schedule slot j % 2.
   // A fresh barrier passes a wait on parity 1 at once, so the first waits on "empty" pass.
   if (warp < 4) {  // producer warpgroup: warp 0 schedules (lane 0 issues every copy)
     cutlass::arch::warpgroup_reg_dealloc<T::kProducerRegs>();
     if (warp != 0) return;
-    int t = blockIdx.x, q_count = 0, kv = 0;
+    int t = blockIdx.x, q_count = 0;
+    cutlass::PipelineState<kStagesK> kst;
+    cutlass::PipelineState<kStagesV> vst;
     for (int j = 0;; ++j) {
       if (lane == 0) {
         Barrier::wait(sched_empty + (j & 1), ((j >> 1) & 1) ^ 1);
@@ -127,18 +134,18 @@ __global__ void __launch_bounds__(T::kNThreads, 1) flash_fwd_sm90_ws_kernel(cons
           Barrier::arrive_and_expect_tx(q_full + qbuf, T::kQBytes);
           copy(args.tma_q.with(q_full[qbuf]), tQg, tQs(_, qbuf));
           for (int it = 0; it < tiles.count; ++it) {
-            const int stage = (kv + it) % kStages, nb = tiles[it];
-            const uint32_t phase = ((kv + it) / kStages) & 1;
-            Barrier::wait(k_empty + stage, phase ^ 1);
-            Barrier::arrive_and_expect_tx(k_full + stage, T::kKVBytes);
-            copy(args.tma_k.with(k_full[stage]), tKg(_, nb), tKs(_, stage));
-            Barrier::wait(v_empty + stage, phase ^ 1);
-            Barrier::arrive_and_expect_tx(v_full + stage, T::kKVBytes);
-            copy(args.tma_v.with(v_full[stage]), tVg(_, nb), tVs(_, stage));
+            const int nb = tiles[it], sk = kst.index(), sv = vst.index();
+            Barrier::wait(k_empty + sk, kst.phase() ^ 1);
+            Barrier::arrive_and_expect_tx(k_full + sk, T::kKVBytes);
+            copy(args.tma_k.with(k_full[sk]), tKg(_, nb), tKs(_, sk));
+            ++kst;
+            Barrier::wait(v_empty + sv, vst.phase() ^ 1);
+            Barrier::arrive_and_expect_tx(v_full + sv, T::kKVBytes);
+            copy(args.tma_v.with(v_full[sv]), tVg(_, nb), tVs(_, sv));
+            ++vst;
           }
         }
         ++q_count;
-        kv += tiles.count;
       }
       t = claim_next_tile(args.num_tiles, args.tile_counter);  // once this tile's loads are queued
     }
@@ -178,7 +185,7 @@ __global__ void __launch_bounds__(T::kNThreads, 1) flash_fwd_sm90_ws_kernel(cons
   // the H200, NOTES 2026-12-03). Until then the tile is "pending": its P in tOrP, its rows'
   // statistics in m / l, and in pend_m / pend_l once the next tile has started.
   struct Pending {
-    int stage = -1, b, h, block, i16, qbuf;  // stage -1: none
+    int stage = -1, b, h, block, i16, qbuf;  // V's stage; -1: none
     uint32_t phase;
   } pend;
   float m[2], l[2], alpha[2], pend_m[2], pend_l[2];
@@ -250,7 +257,9 @@ __global__ void __launch_bounds__(T::kNThreads, 1) flash_fwd_sm90_ws_kernel(cons
     finish_pending(m, l);  // no tile has started since: m and l are still the pending rows'
   };
 
-  int q_count = 0, kv = 0;
+  int q_count = 0;
+  cutlass::PipelineState<kStagesK> kst;  // the next K to be read
+  cutlass::PipelineState<kStagesV> vst;  // the next V to be read
   for (int j = 0;; ++j) {
     release_o();
     Barrier::wait(sched_full + (j & 1), (j >> 1) & 1);
@@ -283,12 +292,12 @@ __global__ void __launch_bounds__(T::kNThreads, 1) flash_fwd_sm90_ws_kernel(cons
     };
 
     const int qbuf = q_count % kQBufs;
-    const auto stage_of = [&](int it) { return (kv + it) % kStages; };
-    const auto phase_of = [&](int it) { return uint32_t((kv + it) / kStages) & 1; };
+    const int k0 = kst.index();
     Barrier::wait(q_full + qbuf, (q_count / kQBufs) & 1);
-    Barrier::wait(k_full + stage_of(0), phase_of(0));
+    Barrier::wait(k_full + k0, kst.phase());
+    ++kst;
     my_turn();
-    wgmma_gemm<true, -1>(mma_s, tSrQ(_, _, _, qbuf), tSrK(_, _, _, stage_of(0)), tSrS);
+    wgmma_gemm<true, -1>(mma_s, tSrQ(_, _, _, qbuf), tSrK(_, _, _, k0), tSrS);
     // The pending P V goes out with S_0. With none pending (a warpgroup's first tile) a dummy one
     // of zero probabilities over V stage 0 goes out instead, its product discarded: ptxas
     // serializes every wgmma of the kernel when the groups in flight differ between branches.
@@ -297,7 +306,7 @@ __global__ void __launch_bounds__(T::kNThreads, 1) flash_fwd_sm90_ws_kernel(cons
     wgmma_gemm<false, -1>(mma_o, tOrP, tOrVt(_, _, _, fused ? pend.stage : 0), tOrO);
     pass_turn();
     wgmma_wait<1>(tSrS);  // S_0 is in; the pending P V may still run
-    release(k_empty + stage_of(0));
+    release(k_empty + k0);
     if (!T::kTmaO && n == 1) release(q_empty + qbuf);  // this tile's last read of Q
     pend_m[0] = m[0], pend_m[1] = m[1], pend_l[0] = l[0], pend_l[1] = l[1];
     m[0] = m[1] = cuda::kNegInf;
@@ -309,11 +318,14 @@ __global__ void __launch_bounds__(T::kNThreads, 1) flash_fwd_sm90_ws_kernel(cons
     to_a_operand<Elem, kN>(tOrP, s);
     for (int it = 1; it < n; ++it) {
       walk.advance();
-      const int stage = stage_of(it), prev = stage_of(it - 1);
-      Barrier::wait(k_full + stage, phase_of(it));
+      const int stage = kst.index(), prev = vst.index();  // K_it and V_{it-1}
+      const uint32_t k_phase = kst.phase(), v_phase = vst.phase();
+      ++kst;
+      ++vst;
+      Barrier::wait(k_full + stage, k_phase);
       my_turn();
       wgmma_gemm<true, -1>(mma_s, tSrQ(_, _, _, qbuf), tSrK(_, _, _, stage), tSrS);
-      Barrier::wait(v_full + prev, phase_of(it - 1));
+      Barrier::wait(v_full + prev, v_phase);
       wgmma_gemm<false, -1>(mma_o, tOrP, tOrVt(_, _, _, prev), tOrO);
       pass_turn();
       release_o();
@@ -326,11 +338,11 @@ __global__ void __launch_bounds__(T::kNThreads, 1) flash_fwd_sm90_ws_kernel(cons
       cuda::scale_rows<kD>(acc, alpha);
       to_a_operand<Elem, kN>(tOrP, s);
     }
-    pend.stage = stage_of(n - 1);
-    pend.phase = phase_of(n - 1);
+    pend.stage = vst.index();  // V_{n-1}, read by the pending P V
+    pend.phase = vst.phase();
+    ++vst;
     pend.b = b, pend.h = h, pend.block = tile.block, pend.i16 = i16, pend.qbuf = qbuf;
     ++q_count;
-    kv += n;
   }
   flush_pending();
   release_o();
