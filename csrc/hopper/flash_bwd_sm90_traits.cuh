@@ -23,7 +23,7 @@ template <typename Elem_, int kHeadDim_>
 struct BwdSm90WsTraits {
   using Elem = Elem_;
   using CElem = CuteElem<Elem>;
-  static constexpr int kHeadDim = kHeadDim_, kBlockM = 64, kBlockN = 128, kStages = 2;
+  static constexpr int kHeadDim = kHeadDim_, kBlockM = 64, kBlockN = 128, kStages = kHeadDim_ <= 64 ? 3 : 2;
   static constexpr int kNWarpGroups = kBlockN / 64, kNConsumerThreads = 128 * kNWarpGroups;
   static constexpr int kNThreads = kNConsumerThreads + 128;
   static constexpr int kProducerRegs = 24, kConsumerRegs = 240;  // 128 x 24 + 256 x 240 <= 64K

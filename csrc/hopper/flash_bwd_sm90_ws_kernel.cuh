@@ -15,6 +15,7 @@
 
 #include <cutlass/arch/barrier.h>
 #include <cutlass/arch/reg_reconfig.h>
+#include <cutlass/pipeline/sm90_pipeline.hpp>
 
 #include "flash_bwd_sm90_common.cuh"
 #include "flash_bwd_sm90_traits.cuh"
@@ -182,7 +183,8 @@ __global__ void __launch_bounds__(T::kNThreads, 1) flash_bwd_sm90_ws_kernel(cons
   if (warp < 4) {  // producer warpgroup
     cutlass::arch::warpgroup_reg_dealloc<T::kProducerRegs>();
     if (warp == 0) {  // schedule and loads: lane 0 issues every copy (the lanes count tile lists together)
-      int t = blockIdx.x, step = 0, kv_count = 0;
+      int t = blockIdx.x, kv_count = 0;
+      cutlass::PipelineState<kStages> qst;  // the next step's stage (Q, dO and their statistics)
       for (int j = 0;; ++j) {
         const bool last = t >= args.num_tiles;
         const GridTile tile = grid_tile<false>(last ? 0 : t, num_n_blocks, args.p.h);
@@ -226,8 +228,9 @@ __global__ void __launch_bounds__(T::kNThreads, 1) flash_bwd_sm90_ws_kernel(cons
             auto [tdOg, tdOs] =
                 tma_partition(args.tma_do, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sdO), group_modes<0, 2>(gdO));
             for (int it = 0; it < tiles.count; ++it) {
-              const int s = step + it, stage = s % kStages, mb = tiles[it];
-              Barrier::wait(empty + stage, ((s / kStages) & 1) ^ 1);
+              const int stage = qst.index(), mb = tiles[it];
+              Barrier::wait(empty + stage, qst.phase() ^ 1);
+              ++qst;
               Barrier::arrive_and_expect_tx(full + stage, T::kStageBytes);
               copy(args.tma_q.with(full[stage]), tQg(_, mb), tQs(_, stage));
               copy(args.tma_do.with(full[stage]), tdOg(_, mb), tdOs(_, stage));
@@ -235,7 +238,6 @@ __global__ void __launch_bounds__(T::kNThreads, 1) flash_bwd_sm90_ws_kernel(cons
               SM90_BULK_COPY_G2S::copy(hp.dsum + mb * kM, full + stage, sDsum + stage * kM, kM * int(sizeof(float)));
             }
           }
-          step += tiles.count;
         }
         t = claim_next_tile(args.num_tiles, args.tile_counter);  // once this tile's loads are queued
       }
@@ -318,6 +320,7 @@ __global__ void __launch_bounds__(T::kNThreads, 1) flash_bwd_sm90_ws_kernel(cons
   const uint32_t ds_thread = cuda::smem_addr(sds_ptr) + (key16 / 8) * kDsKeyAtomBytes + g * 128 + 4 * t;
 
   int step = 0, kv_count = 0;  // steps and K/V tiles so far, over all of this CTA's tiles
+  cutlass::PipelineState<kStages> qst;  // this step's stage
   // The staging area of store_dk_dv_staged covers dS's buffers and the dQ tiles. Before the next
   // write there, every warp's copies must have read it.
   const uint32_t staged = cuda::smem_addr(sds_ptr);
@@ -340,8 +343,9 @@ __global__ void __launch_bounds__(T::kNThreads, 1) flash_bwd_sm90_ws_kernel(cons
     cuda::zero<kD>(dv);
     Barrier::wait(kv_full, kv_count & 1);
     for (int it = 0; it < tiles.count; ++it, ++step) {
-      const int stage = step % kStages, buf = step & 1, i0 = tiles[it] * kM;
-      Barrier::wait(full + stage, (step / kStages) & 1);
+      const int stage = qst.index(), buf = step & 1, i0 = tiles[it] * kM;
+      Barrier::wait(full + stage, qst.phase());
+      ++qst;
       wgmma_gemm<true, -1>(mma_sdp, tSrK, tSrQ(_, _, _, stage), tSrS);
       wgmma_gemm<true, -1>(mma_sdp, tSrV, tSrdO(_, _, _, stage), tSrdP);
 
