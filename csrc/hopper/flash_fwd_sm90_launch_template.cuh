@@ -31,9 +31,14 @@ template <int kHeadDim>
 constexpr int kFwdKStages = kHeadDim <= 96 ? 3 : 2;
 template <int kHeadDim>
 constexpr int kFwdVStages = kHeadDim <= 128 ? 3 : 2;
-template <typename Elem, int kHeadDim>
+// Query rows per tile: 192 (three consumer warpgroups) up to head dim 64 without a block mask,
+// where a step's MMAs take about half as long as its softmax, so two other warpgroups' MMAs cover
+// one's softmax; 128 otherwise (registers; a block mask's 128-row blocks).
+template <int kHeadDim, bool kBlockSparse>
+constexpr int kFwdRows = kHeadDim <= 64 && !kBlockSparse ? 192 : 128;
+template <typename Elem, int kHeadDim, bool kBlockSparse = false>
 using FwdSm90WsConfig = FwdSm90WsTraits<Elem, kHeadDim, (kHeadDim <= 128 ? 128 : 64), kFwdKStages<kHeadDim>,
-                                        kFwdVStages<kHeadDim>>;
+                                        kFwdVStages<kHeadDim>, kFwdRows<kHeadDim, kBlockSparse>>;
 
 template <typename T>
 FwdSm90WsParams<T> ws_params(const FwdParams& p, int num_tiles, int* tile_counter) {
@@ -52,9 +57,9 @@ FwdSm90WsParams<T> ws_params(const FwdParams& p, int num_tiles, int* tile_counte
 }
 
 // Runs the warp-specialized kernel where it applies; FLASH_ATTN_SM90_FWD_SYNC=1 turns it off (A/B).
-template <typename Elem, int kHeadDim>
-bool run_mha_fwd_sm90_ws(const FwdParams& p, cudaStream_t stream) {
-  using T = FwdSm90WsConfig<Elem, kHeadDim>;
+template <typename Elem, int kHeadDim, bool kBlockSparse>
+bool run_mha_fwd_sm90_ws_(const FwdParams& p, cudaStream_t stream) {
+  using T = FwdSm90WsConfig<Elem, kHeadDim, kBlockSparse>;
   const char* off = std::getenv("FLASH_ATTN_SM90_FWD_SYNC");
   // (No keys: a descriptor cannot describe an empty tensor; the other kernel writes the zeros.)
   if ((off != nullptr && off[0] == '1') || p.seqlen_k == 0 || T::kSmemBytes > cuda::smem_per_block_optin() ||
@@ -64,11 +69,15 @@ bool run_mha_fwd_sm90_ws(const FwdParams& p, cudaStream_t stream) {
   // instead (A/B); =n caps the CTAs at n (tests: many tiles per CTA on small problems).
   const int64_t num_tiles = int64_t((p.seqlen_q + T::kBlockM - 1) / T::kBlockM) * p.h * p.b;
   const cuda::PersistentGrid pg = cuda::persistent_grid(num_tiles, "FLASH_ATTN_SM90_FWD_PERSISTENT", stream);
-  const dim3 grid = pg.grid;
   const FwdSm90WsParams<T> args = ws_params<T>(p, int(num_tiles), pg.counter_ptr());
-  if (p.q_block_lists != nullptr) cuda::launch<T>(&flash_fwd_sm90_ws_kernel<T, true>, grid, args, stream);
-  else cuda::launch<T>(&flash_fwd_sm90_ws_kernel<T, false>, grid, args, stream);
+  cuda::launch<T>(&flash_fwd_sm90_ws_kernel<T, kBlockSparse>, pg.grid, args, stream);
   return true;
+}
+
+template <typename Elem, int kHeadDim>
+bool run_mha_fwd_sm90_ws(const FwdParams& p, cudaStream_t stream) {
+  return p.q_block_lists != nullptr ? run_mha_fwd_sm90_ws_<Elem, kHeadDim, true>(p, stream)
+                                    : run_mha_fwd_sm90_ws_<Elem, kHeadDim, false>(p, stream);
 }
 
 // Runs the forward kernel here and returns true where this path applies: an sm_90 GPU, no

@@ -47,15 +47,18 @@ struct FwdSm90Traits {
   static constexpr int kSmemBytes = (kSmemQ + kSmemK + kSmemV) * int(sizeof(Elem)) + kSmemAlign;
 };
 
-// The warp-specialized forward (flash_fwd_sm90_ws_kernel.cuh): the same tiles and MMAs on two
-// consumer warpgroups (128 query rows), plus a producer warpgroup that streams Q, K and V in with
-// TMA. The producer gives its registers to the consumers (setmaxnreg).
-template <typename Elem_, int kHeadDim_, int kBlockN_, int kStages_, int kStagesV_>
-struct FwdSm90WsTraits : FwdSm90Traits<Elem_, kHeadDim_, 128, kBlockN_, 1, kStages_, kStagesV_> {
-  using Base = FwdSm90Traits<Elem_, kHeadDim_, 128, kBlockN_, 1, kStages_, kStagesV_>;
+// The warp-specialized forward (flash_fwd_sm90_ws_kernel.cuh): the same tiles and MMAs on two or
+// three consumer warpgroups (128 or 192 query rows), plus a producer warpgroup that streams Q, K
+// and V in with TMA. The producer gives its registers to the consumers (setmaxnreg).
+template <typename Elem_, int kHeadDim_, int kBlockN_, int kStages_, int kStagesV_, int kBlockM_ = 128>
+struct FwdSm90WsTraits : FwdSm90Traits<Elem_, kHeadDim_, kBlockM_, kBlockN_, 1, kStages_, kStagesV_> {
+  using Base = FwdSm90Traits<Elem_, kHeadDim_, kBlockM_, kBlockN_, 1, kStages_, kStagesV_>;
   using typename Base::CElem;
+  static_assert(Base::kNWarpGroups == 2 || Base::kNWarpGroups == 3, "two or three consumer warpgroups");
   static constexpr int kNConsumerThreads = Base::kNThreads, kNThreads = Base::kNThreads + 128;
-  static constexpr int kProducerRegs = 24, kConsumerRegs = 240;  // 128 x 24 + 256 x 240 <= 64K
+  // The register file (64K) split: 128 x 24 + 256 x 240, or 128 x 32 + 384 x 160.
+  static constexpr int kProducerRegs = Base::kNWarpGroups == 2 ? 24 : 32;
+  static constexpr int kConsumerRegs = Base::kNWarpGroups == 2 ? 240 : 160;
 
   // TMA views of q, k and v: (seqlen, head dim, heads, batch), the head dim contiguous.
   using GmemShape = cute::Shape<int32_t, int32_t, int32_t, int32_t>;

@@ -1,13 +1,13 @@
 // The warp-specialized sm90 forward (FlashAttention-3's schedule): a producer warpgroup streams Q
 // and K, V tiles through shared memory with TMA, each buffer guarded by full/empty mbarriers; two
-// consumer warpgroups (64 query rows each) run the MMAs and the softmax. The kernel is persistent:
+// or three consumer warpgroups (64 query rows each) run the MMAs and the softmax. The kernel is persistent:
 // each CTA takes (query block, head, batch) tiles until none are left, and the Q buffers and the
 // K/V ring carry on from tile to tile, so one tile's loads and start overlap the last one's end.
 // Two overlaps hide the softmax behind the tensor cores:
 // - within a warpgroup, S_j = Q K_j^T is issued together with O += P_{j-1} V_{j-1}, and the
 //   softmax of S_j runs while the latter is in flight;
 // - between the warpgroups, named barriers make them take turns issuing their MMAs, so one's
-//   softmax overlaps the other's MMAs (ping-pong);
+//   softmax overlaps the others' MMAs (ping-pong, round robin);
 // - across tiles, a tile's last P V goes out with the next tile's S_0, and its output is stored
 //   while the other warpgroup's MMAs run; from head dim 128 on it is written into the tile's Q
 //   buffer (stmatrix) and sent to global memory by a TMA store, so no warp waits on its writes.
@@ -49,7 +49,7 @@ __global__ void __launch_bounds__(T::kNThreads, 1) flash_fwd_sm90_ws_kernel(cons
   using CElem = typename T::CElem;
   using Barrier = cutlass::arch::ClusterTransactionBarrier;
   constexpr int kD = T::kHeadDim, kM = T::kBlockM, kN = T::kBlockN, kQBufs = T::kQBufs;
-  constexpr int kStagesK = T::kStages, kStagesV = T::kStagesV;
+  constexpr int kStagesK = T::kStages, kStagesV = T::kStagesV, kNWG = T::kNWarpGroups;
   extern __shared__ char smem_raw[];
   CElem* sq_ptr = aligned_smem<T::kSmemAlign, CElem>(smem_raw);
   CElem* sk_ptr = sq_ptr + kQBufs * T::kSmemQ;
@@ -74,7 +74,7 @@ __global__ void __launch_bounds__(T::kNThreads, 1) flash_fwd_sm90_ws_kernel(cons
   if (tid == 0) {
     for (int i = 0; i < kQBufs; ++i) {
       Barrier::init(q_full + i, 1);
-      Barrier::init(q_empty + i, T::kTmaO ? 2 : kConsumerWarps);  // kTmaO: once per warpgroup's store
+      Barrier::init(q_empty + i, T::kTmaO ? kNWG : kConsumerWarps);  // kTmaO: once per warpgroup's store
     }
     for (int s = 0; s < kStagesK; ++s) {
       Barrier::init(k_full + s, 1);
@@ -152,7 +152,7 @@ __global__ void __launch_bounds__(T::kNThreads, 1) flash_fwd_sm90_ws_kernel(cons
     return;
   }
 
-  // Consumer warpgroups 0 and 1 (threads 128..383).
+  // Consumer warpgroups 0 .. kNWG - 1 (threads 128 and up).
   cutlass::arch::warpgroup_reg_alloc<T::kConsumerRegs>();
   const int ctid = tid - 128, cwarp = ctid / 32, wg = ctid / 128;
   typename T::TiledMmaS mma_s;
@@ -168,16 +168,18 @@ __global__ void __launch_bounds__(T::kNThreads, 1) flash_fwd_sm90_ws_kernel(cons
   float(&s)[kN / 8][4] = as_rows16<kN>(tSrS);
   float(&acc)[kD / 8][4] = as_rows16<kD>(tOrO);
 
-  // Ping-pong: a warpgroup waits for its turn before issuing MMAs and hands the turn over after.
-  // Both warpgroups take one turn per key tile of the same tiles, so the turns alternate from tile
-  // to tile, and one warpgroup's output store and next tile's start overlap the other's MMAs.
+  // Ping-pong: a warpgroup waits for its turn before issuing MMAs and hands the turn to the next
+  // one after (named barrier 1 + w: warpgroup w's turn, 128 arriving and 128 waiting threads).
+  // Every warpgroup takes one turn per key tile of the same tiles, so the turns go round from tile
+  // to tile, and one warpgroup's output store and next tile's start overlap the others' MMAs.
+  // Barriers 1 + kNWG + w: warpgroup w's own.
   using cutlass::arch::NamedBarrier;
-  const auto my_turn = [&] { NamedBarrier::sync(T::kNConsumerThreads, 1 + wg); };
-  const auto pass_turn = [&] { NamedBarrier::arrive(T::kNConsumerThreads, 1 + (wg ^ 1)); };
+  const auto my_turn = [&] { NamedBarrier::sync(2 * 128, 1 + wg); };
+  const auto pass_turn = [&] { NamedBarrier::arrive(2 * 128, 1 + (wg + 1) % kNWG); };
   const auto release = [&](uint64_t* bar) {
     if (lane == 0) Barrier::arrive(bar);
   };
-  if (wg == 1) pass_turn();  // warpgroup 0 goes first
+  if (wg == kNWG - 1) pass_turn();  // warpgroup 0 goes first
 
   // A tile's last P V is issued in the same turn as the next tile's S_0 (as every step pairs S_j
   // with P_{j-1} V_{j-1}), and its output is written once that P V is in, while the other
@@ -231,11 +233,11 @@ __global__ void __launch_bounds__(T::kNThreads, 1) flash_fwd_sm90_ws_kernel(cons
       } else {
         cuda::write_o_lse<Elem, kD>(pp, pend.b, pend.h, pend.i16 + lane / 4, acc, mp, lp, lane);
       }
-      NamedBarrier::sync(128, 3 + wg);  // the warpgroup's rows are written and its MMAs done
+      NamedBarrier::sync(128, 1 + kNWG + wg);  // the warpgroup's rows are written and its MMAs done
       if (ctid % 128 == 0) {
         if (tma) {
           Tensor gO = local_tile(tma_rows(args.tma_o, o_view(args.p), pp.q_row0, pend.h, pend.b),
-                                 Shape<_64, Int<kD>>{}, make_coord(2 * pend.block + wg, 0));
+                                 Shape<_64, Int<kD>>{}, make_coord(kNWG * pend.block + wg, 0));
           Tensor sO = local_tile(sQ(_, _, pend.qbuf), Shape<_64, Int<kD>>{}, make_coord(wg, 0));
           auto [tOg, tOs] = tma_partition(args.tma_o, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sO), group_modes<0, 2>(gO));
           copy(args.tma_o, tOs, tOg);
@@ -346,7 +348,7 @@ __global__ void __launch_bounds__(T::kNThreads, 1) flash_fwd_sm90_ws_kernel(cons
   }
   flush_pending();
   release_o();
-  // Warpgroup 1 handed the turn over once more than warpgroup 0 took it (the first hand-over):
+  // The last warpgroup handed the turn over once more than warpgroup 0 took it (the first hand-over):
   // take that one too, so no arrival is left on a named barrier when the CTA exits.
   if (wg == 0) my_turn();
 #endif
