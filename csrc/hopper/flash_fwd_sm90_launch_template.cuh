@@ -28,9 +28,9 @@ using FwdSm90Config = FwdSm90Traits<Elem, kHeadDim, 128, (kHeadDim <= 128 ? 128 
 // three K stages with two V, and three of each with one Q buffer, were slower (NOTES, sixteenth
 // session).
 template <int kHeadDim>
-constexpr int kFwdKStages = kHeadDim <= 96 ? 3 : 2;
+constexpr int kFwdKStages = kHeadDim <= 96 || kHeadDim == 160 ? 3 : 2;
 template <int kHeadDim>
-constexpr int kFwdVStages = kHeadDim <= 128 ? 3 : 2;
+constexpr int kFwdVStages = kHeadDim <= 192 || kHeadDim == 256 ? 3 : 2;
 // Query rows per tile: 192 (three consumer warpgroups) up to head dim 64 without a block mask,
 // where a step's MMAs take about half as long as its softmax, so two other warpgroups' MMAs cover
 // one's softmax; 128 otherwise (registers; a block mask's 128-row blocks).
