@@ -1,6 +1,7 @@
 """A small forward+backward of each kernel family, for compute-sanitizer (memcheck, racecheck):
 on a Hopper GPU the sm90 kernels (the warp-specialized TMA ones and, at head dims 64 and 128, with
-FLASH_ATTN_SM90_FWD_SYNC=1, the cp.async forward) and (FLASH_ATTN_DISABLE_SM90=1) the portable ones;
+FLASH_ATTN_SM90_FWD_SYNC=1, the cp.async forward; at head dim 64 also with the forward's 192-row
+tiles forced, FLASH_ATTN_SM90_FWD_ROWS=192) and (FLASH_ATTN_DISABLE_SM90=1) the portable ones;
 dense,
 block-sparse (a random 128 x 128 layout with an empty query block), varlen (packed sequences of
 lengths 0 to 200, the last one ending at the tensor's end) and score modifiers (a broadcast bias
@@ -24,11 +25,12 @@ cu_q, cu_k = (torch.tensor([0] + list(torch.tensor(x).cumsum(0)), dtype=torch.in
 which = sys.argv[1] if len(sys.argv) > 1 else "all"
 os.environ["FLASH_ATTN_SM90_FWD_PERSISTENT"] = "2"
 os.environ["FLASH_ATTN_SM90_BWD_PERSISTENT"] = "2"
-for portable, sync in (("0", "0"), ("0", "1"), ("1", "0")):
+for portable, sync, rows in (("0", "0", ""), ("0", "0", "192"), ("0", "1", ""), ("1", "0", "")):
     os.environ["FLASH_ATTN_DISABLE_SM90"] = portable
     os.environ["FLASH_ATTN_SM90_FWD_SYNC"] = sync
+    os.environ["FLASH_ATTN_SM90_FWD_ROWS"] = rows
     for dtype in (torch.bfloat16, torch.float16):
-        for d in (64, 96, 128, 192, 256) if sync == "0" else (64, 128):
+        for d in (64,) if rows else (64, 96, 128, 192, 256) if sync == "0" else (64, 128):
             for causal, dropout_p in ((False, 0.0), (True, 0.0), (True, 0.1)):
                 if which in ("all", "dense"):
                     q, k, v = [torch.randn(1, 150, 2, d, device="cuda", dtype=dtype, requires_grad=True)

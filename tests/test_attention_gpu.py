@@ -169,6 +169,45 @@ def test_sm90_tma_strides(d, causal, monkeypatch):
     check_against_reference(q2, k2, v2, causal=causal)
 
 
+@pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9),
+                    reason="Hopper (sm_90) only")
+@pytest.mark.parametrize("rows", ["128", "192"])
+@pytest.mark.parametrize("d", [32, 64])
+@pytest.mark.parametrize("case", ["sizes", "gqa_window", "varlen", "mods", "persistent"])
+def test_sm90_forward_rows(case, d, rows, monkeypatch):
+    # Up to head dim 64 the warp-specialized forward runs 192-row tiles (three consumer warpgroups)
+    # on long unmasked rows and 128-row ones otherwise; FLASH_ATTN_SM90_FWD_ROWS forces either, and
+    # both must give the reference's results on every kind of input.
+    from test_score_mods import bias_of, check_mods, slopes_of
+    from test_varlen import LENGTHS, check_varlen
+    monkeypatch.setenv("FLASH_ATTN_SM90_FWD_ROWS", rows)
+    q, k, v = make(2, 385, 300, 4, 2, d, torch.bfloat16)
+    names = kernel_names(lambda: flash_attn_func(q, k, v, causal=True))
+    assert any("flash_fwd_sm90_ws_kernel<" in n and f", {rows}>" in n for n in names), names
+    if case == "sizes":  # seqlens below, at and past one 192-row tile, sq != sk
+        for sq, sk in [(1, 1), (1, 17), (113, 17), (191, 193), (192, 1000), (385, 385)]:
+            for causal in (False, True):
+                check_against_reference(*make(2, sq, sk, 4, 2, d, torch.float16), causal=causal)
+    elif case == "gqa_window":
+        check_against_reference(*make(2, 600, 257, 8, 2, d, torch.bfloat16), causal=True)
+        for window_size in ((16, 0), (5, 9), (100, -1)):
+            check_against_reference(*make(2, 500, 700, 4, 4, d, torch.bfloat16), window_size=window_size)
+    elif case == "varlen":
+        for causal in (False, True):
+            check_varlen(LENGTHS["mixed"] + LENGTHS["long"], 4, 2, d, torch.bfloat16, "cuda", causal=causal)
+    elif case == "mods":
+        q, k, v = make(2, 400, 333, 4, 4, d, torch.bfloat16)
+        check_mods(q, k, v, causal=True, attn_bias=bias_of((2, 4, 400, 333), torch.bfloat16, "cuda"),
+                   alibi_slopes=slopes_of((4,), "cuda"), softcap=5.0)
+    else:  # many tiles per CTA: the same bits as with a CTA per tile
+        q, k, v = make(3, 1500, 1300, 8, 2, d, torch.bfloat16)
+        run = lambda: flash_attn_func(q, k, v, return_attn_probs=True)[:2]
+        persistent, three_ctas, per_tile = three_schedules("FLASH_ATTN_SM90_FWD_PERSISTENT", run, monkeypatch)
+        for a, b, c in zip(persistent, three_ctas, per_tile):
+            assert torch.equal(a, c) and torch.equal(b, c)
+        check_against_reference(q, k, v)
+
+
 @pytest.mark.parametrize("d", HEAD_DIMS)
 @pytest.mark.parametrize("causal", [False, True])
 def test_portable_kernels_on_this_gpu(d, causal, monkeypatch):

@@ -20,25 +20,33 @@ namespace flash::hopper {
 template <typename Elem, int kHeadDim>
 using FwdSm90Config = FwdSm90Traits<Elem, kHeadDim, 128, (kHeadDim <= 128 ? 128 : 64), (kHeadDim <= 64 ? 2 : 1)>;
 
-// The warp-specialized kernel (every head dim): the cp.async kernel's key tiles. K and V in three
-// stages up to head dim 96; at 128 only V (two Q buffers with three K and three V stages exceed
-// 227 KB); two above. The third stage lets the next tile's first loads go out before this tile's
-// last ones are read: measured against two stages, forward 6-12% faster at 512 keys a row and
-// 4-10% at 16384 for head dims 32-96; at 128, 8% at 512, 4% at 1024, equal at 16384. At 128,
-// three K stages with two V, and three of each with one Q buffer, were slower (NOTES, sixteenth
-// session).
+// The warp-specialized kernel (every head dim): the cp.async kernel's key tiles, K and V in as many
+// stages as 227 KB leave beside two Q buffers (one at 256): three of each up to head dim 96 and at
+// 160, three V and two K at 128, 192 and 256, two of each at 224. The third stage lets the next
+// tile's first loads go out before this tile's last ones are read: measured against two stages,
+// forward 6-12% faster at 512 keys a row and 4-10% at 16384 for head dims 32-96; at 128, 8% at
+// 512, 4% at 1024, equal at 16384; at 160 6-10%, at 192 1-6% (equal at 16384), at 256 1-2%. At
+// 128, three K stages with two V, and three of each with one Q buffer, were slower (NOTES,
+// sixteenth and seventeenth sessions).
 template <int kHeadDim>
 constexpr int kFwdKStages = kHeadDim <= 96 || kHeadDim == 160 ? 3 : 2;
 template <int kHeadDim>
 constexpr int kFwdVStages = kHeadDim <= 192 || kHeadDim == 256 ? 3 : 2;
-// Query rows per tile: 192 (three consumer warpgroups) up to head dim 64 without a block mask,
-// where a step's MMAs take about half as long as its softmax, so two other warpgroups' MMAs cover
-// one's softmax; 128 otherwise (registers; a block mask's 128-row blocks).
-template <int kHeadDim, bool kBlockSparse>
-constexpr int kFwdRows = kHeadDim <= 64 && !kBlockSparse ? 192 : 128;
-template <typename Elem, int kHeadDim, bool kBlockSparse = false>
+template <typename Elem, int kHeadDim, int kRows = 128>
 using FwdSm90WsConfig = FwdSm90WsTraits<Elem, kHeadDim, (kHeadDim <= 128 ? 128 : 64), kFwdKStages<kHeadDim>,
-                                        kFwdVStages<kHeadDim>, kFwdRows<kHeadDim, kBlockSparse>>;
+                                        kFwdVStages<kHeadDim>, kRows>;
+
+// Up to head dim 64 a step's MMAs take about half as long as its softmax; with 192 query rows on
+// three consumer warpgroups, two warpgroups' MMAs cover the third one's softmax. Measured against
+// 128 rows (NOTES, seventeenth session): forward 6-8% faster at 2048-16384 rows without a mask,
+// but slower at 512-1024 rows (up to a third of the last tile wasted) and under causal (22% at
+// 1024), so 192 rows only for long unmasked rows. (A block mask's 128-row blocks need 128.)
+// FLASH_ATTN_SM90_FWD_ROWS=128 or 192 overrides the choice (tests, A/B).
+inline bool fwd_rows_192(const FwdParams& p) {
+  const char* rows = std::getenv("FLASH_ATTN_SM90_FWD_ROWS");
+  if (rows != nullptr && rows[0] != '\0') return std::atoi(rows) == 192;
+  return !p.is_causal && p.window_size_left < 0 && p.window_size_right < 0 && p.seqlen_q >= 2048;
+}
 
 template <typename T>
 FwdSm90WsParams<T> ws_params(const FwdParams& p, int num_tiles, int* tile_counter) {
@@ -57,9 +65,9 @@ FwdSm90WsParams<T> ws_params(const FwdParams& p, int num_tiles, int* tile_counte
 }
 
 // Runs the warp-specialized kernel where it applies; FLASH_ATTN_SM90_FWD_SYNC=1 turns it off (A/B).
-template <typename Elem, int kHeadDim, bool kBlockSparse>
+template <typename Elem, int kHeadDim, bool kBlockSparse, int kRows>
 bool run_mha_fwd_sm90_ws_(const FwdParams& p, cudaStream_t stream) {
-  using T = FwdSm90WsConfig<Elem, kHeadDim, kBlockSparse>;
+  using T = FwdSm90WsConfig<Elem, kHeadDim, kRows>;
   const char* off = std::getenv("FLASH_ATTN_SM90_FWD_SYNC");
   // (No keys: a descriptor cannot describe an empty tensor; the other kernel writes the zeros.)
   if ((off != nullptr && off[0] == '1') || p.seqlen_k == 0 || T::kSmemBytes > cuda::smem_per_block_optin() ||
@@ -76,8 +84,11 @@ bool run_mha_fwd_sm90_ws_(const FwdParams& p, cudaStream_t stream) {
 
 template <typename Elem, int kHeadDim>
 bool run_mha_fwd_sm90_ws(const FwdParams& p, cudaStream_t stream) {
-  return p.q_block_lists != nullptr ? run_mha_fwd_sm90_ws_<Elem, kHeadDim, true>(p, stream)
-                                    : run_mha_fwd_sm90_ws_<Elem, kHeadDim, false>(p, stream);
+  if (p.q_block_lists != nullptr) return run_mha_fwd_sm90_ws_<Elem, kHeadDim, true, 128>(p, stream);
+  if constexpr (kHeadDim <= 64) {
+    if (fwd_rows_192(p)) return run_mha_fwd_sm90_ws_<Elem, kHeadDim, false, 192>(p, stream);
+  }
+  return run_mha_fwd_sm90_ws_<Elem, kHeadDim, false, 128>(p, stream);
 }
 
 // Runs the forward kernel here and returns true where this path applies: an sm_90 GPU, no
