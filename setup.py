@@ -70,7 +70,7 @@ def _arch_flags() -> list:
 
 
 HEAD_DIMS = [32, 64, 96, 128, 160, 192, 224, 256]  # csrc/cuda/flash_launch.h: kHeadDims
-SM90_BWD_HEAD_DIMS = [64, 128, 192, 256]  # csrc/cuda/flash_launch.h: has_sm90_bwd
+SM90_BWD_HEAD_DIMS = [32, 64, 96, 128, 192, 256]  # csrc/cuda/flash_launch.h: has_sm90_bwd
 DTYPES = ["fp16", "bf16"]
 
 

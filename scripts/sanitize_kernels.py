@@ -30,7 +30,7 @@ for portable, sync, rows in (("0", "0", ""), ("0", "0", "192"), ("0", "1", ""), 
     os.environ["FLASH_ATTN_SM90_FWD_SYNC"] = sync
     os.environ["FLASH_ATTN_SM90_FWD_ROWS"] = rows
     for dtype in (torch.bfloat16, torch.float16):
-        for d in (64,) if rows else (64, 96, 128, 192, 256) if sync == "0" else (64, 128):
+        for d in (64,) if rows else (32, 64, 96, 128, 192, 256) if sync == "0" else (64, 128):
             for causal, dropout_p in ((False, 0.0), (True, 0.0), (True, 0.1)):
                 if which in ("all", "dense"):
                     q, k, v = [torch.randn(1, 150, 2, d, device="cuda", dtype=dtype, requires_grad=True)

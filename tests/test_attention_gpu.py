@@ -122,12 +122,12 @@ def kernel_names(fn):
                     reason="Hopper (sm_90) only")
 def test_hopper_kernels_run_on_sm90(monkeypatch):
     # Without dropout the forward runs the warp-specialized wgmma kernel (TMA loads), and so does
-    # the (non-deterministic) backward at head dims 64 and 128 (warp-specialized, keys split over
-    # warpgroups) and 192 and 256 (head dim split); FLASH_ATTN_DISABLE_SM90, dropout and
-    # deterministic=True select the portable ones.
+    # the (non-deterministic) backward at head dims 32, 64, 96 and 128 (warp-specialized, keys
+    # split over warpgroups) and 192 and 256 (head dim split); FLASH_ATTN_DISABLE_SM90, dropout and
+    # deterministic=True select the portable ones, as do head dims 160 and 224.
     fwd_kernel = "flash_fwd_sm90_ws_kernel"
-    for d, bwd_kernel in ((64, "flash_bwd_sm90_ws_kernel"), (128, "flash_bwd_sm90_ws_kernel"), (96, None),
-                          (192, "flash_bwd_sm90_split_d_kernel"), (256, "flash_bwd_sm90_split_d_kernel")):
+    ws, split_d = "flash_bwd_sm90_ws_kernel", "flash_bwd_sm90_split_d_kernel"
+    for d, bwd_kernel in ((32, ws), (64, ws), (96, ws), (128, ws), (160, None), (192, split_d), (256, split_d)):
         q, k, v = make(1, 300, 300, 2, 2, d, torch.bfloat16)
         names = kernel_names(lambda: flash_attn_func(q, k, v).sum().backward())
         assert any(fwd_kernel + "<" in n for n in names), names
@@ -149,7 +149,7 @@ def test_hopper_kernels_run_on_sm90(monkeypatch):
 def test_sm90_tma_strides(d, causal, monkeypatch):
     # TMA descriptors need 16-byte strides. The op layer copies inputs whose strides are not, but
     # a dim of length 1 may keep any stride (here the batch of q and the seqlen of k, v): the
-    # warp-specialized kernels (forward; backward at head dims 64 and 128) still take them.
+    # warp-specialized kernels (forward; backward up to head dim 128) still take them.
     # FLASH_ATTN_SM90_FWD_SYNC=1 selects the cp.async forward.
     def odd_strided(b, s, h, stride):
         base = torch.randn(b * s * h * d + 4096, device="cuda", dtype=torch.bfloat16)
@@ -160,7 +160,7 @@ def test_sm90_tma_strides(d, causal, monkeypatch):
     names = kernel_names(lambda: (flash_attn_func(q, k, v, causal=causal).sum().backward(),
                                   flash_attn_func(q2, k2, v2, causal=causal).sum().backward()))
     assert sum("flash_fwd_sm90_ws_kernel<" in n for n in names) == 2, names
-    assert sum("flash_bwd_sm90_ws_kernel<" in n for n in names) == (2 if d in (64, 128) else 0), names
+    assert sum("flash_bwd_sm90_ws_kernel<" in n for n in names) == (2 if d <= 128 else 0), names
     check_against_reference(q, k, v, causal=causal)
     check_against_reference(q2, k2, v2, causal=causal)
     monkeypatch.setenv("FLASH_ATTN_SM90_FWD_SYNC", "1")
@@ -385,7 +385,7 @@ def test_persistent_forward_equals_a_cta_per_tile(case, d, monkeypatch):
 
 @pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9),
                     reason="Hopper (sm_90) only")
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d", [64, 96, 128])
 @pytest.mark.parametrize("case", ["dense", "causal", "window", "gqa", "varlen", "block_sparse", "bias"])
 def test_persistent_backward_equals_a_cta_per_tile(case, d, monkeypatch):
     # More (key block, head, batch) tiles than SMs, so the persistent backward's CTAs claim tiles

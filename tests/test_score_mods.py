@@ -199,11 +199,11 @@ def test_head_dims_cuda(d, dtype):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d", [32, 64, 96, 128])
 @pytest.mark.parametrize("deterministic", [False, True])
 @pytest.mark.parametrize("shape_name", ["full", "key_padding"])
 def test_bias_and_alibi_without_cap_cuda(d, dtype, deterministic, shape_name):
-    # Without a cap, head dims 64 and 128 run the warp-specialized backward (bias, ALiBi, dbias).
+    # Without a cap, head dims up to 128 run the warp-specialized backward (bias, ALiBi, dbias).
     b, sq, sk, h = 2, 190, 333, 4
     q, k, v = make(b, sq, sk, h, 2, d, dtype, "cuda")
     check_mods(q, k, v, deterministic=deterministic, alibi_slopes=slopes_of((h,), "cuda"),

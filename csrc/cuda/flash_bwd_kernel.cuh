@@ -77,7 +77,7 @@ __global__ void __launch_bounds__(kBwdRowKernelThreads) flash_bwd_convert_dq_ker
   for (int e = threadIdx.x; e < kRows * kQuads; e += kBwdRowKernelThreads) {
     const int r = e / kQuads, c = e % kQuads * 4;  // constant divisor
     if (r >= rows || c >= p.d) continue;
-    const float4 x = *reinterpret_cast<const float4*>(acc + r * kHeadDim + dq_accum_col(p.dq_accum_swizzled, i0 + r, c));
+    const float4 x = *reinterpret_cast<const float4*>(acc + r * kHeadDim + dq_accum_col(p.dq_accum_swizzled, i0 + r, c, kHeadDim));
     uint2 packed;
     packed.x = pack2<Elem>(x.x * sc, x.y * sc);
     packed.y = pack2<Elem>(x.z * sc, x.w * sc);

@@ -26,10 +26,14 @@ inline int64_t dq_accum_row_stride(int64_t d) {
   return d;
 }
 
-// Where column `col` of accumulator row `row` lives when BwdParams::dq_accum_swizzled: groups of
-// 8 columns XOR-ed with the row's low 3 bits, the layout the warp-specialized sm90 backward keeps
-// its dQ tile in shared memory (bank-conflict free) and reduces into the accumulator as one block.
-FLASH_HOST_DEVICE int dq_accum_col(bool swizzled, int row, int col) { return swizzled ? col ^ ((row & 7) << 3) : col; }
+// Where column `col` of accumulator row `row` (of `d` columns) lives when
+// BwdParams::dq_accum_swizzled: groups of 8 columns XOR-ed with the row's low 3 bits (2 where d is
+// not a multiple of 64, so that a column stays within its row), the layout the warp-specialized
+// sm90 backward keeps its dQ tile in shared memory (few bank conflicts) and reduces into the
+// accumulator as one block.
+FLASH_HOST_DEVICE int dq_accum_col(bool swizzled, int row, int col, int d) {
+  return swizzled ? col ^ ((row & (d % 64 == 0 ? 7 : 3)) << 3) : col;
+}
 
 void run_fwd(FwdParams& params, cudaStream_t stream);
 void run_bwd(BwdParams& params, cudaStream_t stream);
@@ -50,5 +54,5 @@ bool run_mha_fwd_sm90_(FwdParams& params, cudaStream_t stream);
 template <typename Elem, int kHeadDim>
 bool run_mha_bwd_sm90_(BwdParams& params, cudaStream_t stream);  // head dims with has_sm90_bwd only
 template <int kHeadDim>
-inline constexpr bool has_sm90_bwd = kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 192 || kHeadDim == 256;
+inline constexpr bool has_sm90_bwd = kHeadDim <= 128 || kHeadDim == 192 || kHeadDim == 256;
 }  // namespace flash::hopper

@@ -17,8 +17,8 @@ namespace flash::hopper {
 //  dQ = dS K (kBlockM x d) reads dS^T through shared memory (an MN-major A operand, two buffers)
 //    and K^T as an MN-major view of the K tile, into float32 tiles in shared memory. The
 //    warpgroups split it along d where each half is whole 64-column swizzle atoms (kDqSplitN),
-//    else (head dim 64) along the keys: each warpgroup its own 64 keys' partial sum in its own
-//    tile (both tiles are reduced into the accumulator).
+//    else (head dims 32, 64, 96) along the keys: each warpgroup its own 64 keys' partial sum in
+//    its own tile (both tiles are reduced into the accumulator).
 template <typename Elem_, int kHeadDim_>
 struct BwdSm90WsTraits {
   using Elem = Elem_;
@@ -31,7 +31,7 @@ struct BwdSm90WsTraits {
   static constexpr int kProducerRegs = 24, kConsumerRegs = 240;  // 128 x 24 + 256 x 240 <= 64K
   static constexpr bool kDqSplitN = (kHeadDim / kNWarpGroups) % 64 == 0, kDqSplitK = !kDqSplitN;
   static constexpr int kDqN = kDqSplitN ? kHeadDim / kNWarpGroups : kHeadDim, kDqTiles = kDqSplitK ? 2 : 1;
-  static_assert(kHeadDim % 64 == 0 && kHeadDim <= 128, "tile shapes");
+  static_assert(kHeadDim % 32 == 0 && kHeadDim <= 128, "tile shapes");
   // Named barriers (ids past those CUTLASS reserves): dS complete (per warpgroup when dQ is split
   // along the keys: ids 1 and 2); dQ tiles written; dQ tiles read; the last tile's dK and dV read
   // out of shared memory.

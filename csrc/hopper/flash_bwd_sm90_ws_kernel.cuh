@@ -394,7 +394,7 @@ __global__ void __launch_bounds__(T::kNThreads, 1) flash_bwd_sm90_ws_kernel(cons
         float* row = dq_tile + (dq_row16 + g + 8 * hr) * kD;
 #pragma unroll
         for (int nt = 0; nt < T::kDqN / 8; ++nt)
-          *reinterpret_cast<float2*>(row + ((dq_col0 + nt * 8 + 2 * t) ^ (g << 3))) =
+          *reinterpret_cast<float2*>(row + cuda::dq_accum_col(true, g, dq_col0 + nt * 8 + 2 * t, kD)) =
               make_float2(dq[nt][2 * hr], dq[nt][2 * hr + 1]);
       }
       fence_proxy_async_smem();
