@@ -1,8 +1,9 @@
 // The warp-specialized sm90 forward (FlashAttention-3's schedule): a producer warpgroup streams Q
 // and K, V tiles through shared memory with TMA, each buffer guarded by full/empty mbarriers; two
-// or three consumer warpgroups (64 query rows each) run the MMAs and the softmax. The kernel is persistent:
-// each CTA takes (query block, head, batch) tiles until none are left, and the Q buffers and the
-// K/V ring carry on from tile to tile, so one tile's loads and start overlap the last one's end.
+// or three consumer warpgroups (64 query rows each) run the MMAs and the softmax. The kernel is
+// persistent: each CTA takes (query block, head, batch) tiles until none are left, and the Q
+// buffers and the K/V ring carry on from tile to tile, so one tile's loads and start overlap the
+// last one's end.
 // Two overlaps hide the softmax behind the tensor cores:
 // - within a warpgroup, S_j = Q K_j^T is issued together with O += P_{j-1} V_{j-1}, and the
 //   softmax of S_j runs while the latter is in flight;
@@ -348,8 +349,8 @@ __global__ void __launch_bounds__(T::kNThreads, 1) flash_fwd_sm90_ws_kernel(cons
   }
   flush_pending();
   release_o();
-  // The last warpgroup handed the turn over once more than warpgroup 0 took it (the first hand-over):
-  // take that one too, so no arrival is left on a named barrier when the CTA exits.
+  // The last warpgroup handed the turn over once more than warpgroup 0 took it (the first
+  // hand-over): take that one too, so no arrival is left on a named barrier when the CTA exits.
   if (wg == 0) my_turn();
 #endif
 }
