@@ -70,7 +70,6 @@ def _arch_flags() -> list:
 
 
 HEAD_DIMS = [32, 64, 96, 128, 160, 192, 224, 256]  # csrc/cuda/flash_launch.h: kHeadDims
-SM90_BWD_HEAD_DIMS = [32, 64, 96, 128, 192, 256]  # csrc/cuda/flash_launch.h: has_sm90_bwd
 DTYPES = ["fp16", "bf16"]
 
 
@@ -95,8 +94,10 @@ def _cuda_instantiations():
         print("flash_attn: WARNING: CuTe headers not found (pip install nvidia-cutlass, or set "
               "FLASH_ATTN_CUTLASS_INCLUDE); building without the sm90 kernels")
     elif "90a" in _archs():  # wgmma needs the arch-specific target
-        families += [("hopper/instantiations/flash_fwd_sm90", hdims),
-                     ("hopper/instantiations/flash_bwd_sm90", [h for h in hdims if h in SM90_BWD_HEAD_DIMS])]
+        # The sm90 backward exists for the head dims generate_kernels.py wrote files for (has_sm90_bwd).
+        bwd_sm90 = "hopper/instantiations/flash_bwd_sm90"
+        bwd_hdims = [h for h in hdims if os.path.exists(os.path.join(ROOT, "csrc", f"{bwd_sm90}_hdim{h}_fp16.cu"))]
+        families += [("hopper/instantiations/flash_fwd_sm90", hdims), (bwd_sm90, bwd_hdims)]
         macros.append(("FLASH_ATTN_WITH_SM90", None))
     files = [f"csrc/{family}_hdim{h}_{dt}.cu" for family, dims in families for dt in dtypes for h in dims]
     hdim_mask = sum(1 << HEAD_DIMS.index(h) for h in hdims)

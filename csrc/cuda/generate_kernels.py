@@ -9,7 +9,7 @@ HEAD_DIMS = [32, 64, 96, 128, 160, 192, 224, 256]
 DTYPES = {"fp16": "__half", "bf16": "__nv_bfloat16"}
 CSRC = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-SM90_BWD_HEAD_DIMS = [32, 64, 96, 128, 192, 256]  # csrc/cuda/flash_launch.h: has_sm90_bwd
+SM90_BWD_HEAD_DIMS = [32, 64, 96, 128, 192, 256]  # csrc/cuda/flash_launch.h: has_sm90_bwd; setup.py reads the files
 
 # (folder, file name stem, launcher header, instantiated declaration, head dims)
 FAMILIES = [
