@@ -4,6 +4,7 @@
 #include <ATen/CPUGeneratorImpl.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <limits>
@@ -14,6 +15,7 @@
 
 #include "block_mask.h"
 #include "cpu/flash_cpu.h"
+#include "flash_api.h"
 #include "flash_params.h"
 #include "varlen_checks.h"
 
@@ -130,15 +132,7 @@ void check_cu_seqlens_tensor(const std::optional<at::Tensor>& cu, const char* na
 // the backward of an autograd graph whose forward checked them (VarlenOffsetsChecked).
 void check_cu_seqlens_values(const at::Tensor& cu, const char* name, int64_t total, const char* total_what,
                              int64_t max_seqlen, const char* max_name) {
-  if (VarlenOffsetsChecked::active()) return;
-#ifdef FLASH_ATTN_WITH_CUDA
-  if (cu.is_cuda() && c10::cuda::currentStreamCaptureStatusMayInitCtx() != c10::cuda::CaptureStatus::None) return;
-#endif
-  static const bool skip = [] {
-    const char* e = std::getenv("FLASH_ATTN_SKIP_VARLEN_CHECKS");
-    return e != nullptr && e[0] == '1';
-  }();
-  if (skip) return;
+  if (!index_value_checks_wanted(cu)) return;
   const at::Tensor host = cu.to(at::kCPU);
   const int32_t* c = host.data_ptr<int32_t>();
   const int64_t n = host.numel();
@@ -248,6 +242,19 @@ void set_varlen_params(FwdParams& p, const Varlen& vl, int64_t total_q, int64_t 
   p.q_batch_stride = p.k_batch_stride = p.v_batch_stride = p.o_batch_stride = 0;
   p.lse_batch_stride = 0;
   p.lse_head_stride = total_q;
+}
+
+// A KV-cache read (FwdParams::seqused_k): the cache's geometry, and seqlen_k = its rows (what
+// sizes the split-KV heuristic; each batch entry's own count comes from seq_view).
+void set_kvcache_params(FwdParams& p, const KvCacheRead* kv, const at::Tensor& cache) {
+  if (kv == nullptr) return;
+  p.seqused_k = kv->seqused;
+  p.kv_batch_idx = kv->batch_idx;
+  p.k_leftpad = kv->leftpad;
+  p.seqlen_knew = kv->seqlen_new;
+  p.k_batch_stride = p.v_batch_stride = 0;  // (the broadcast; also where the batch has one entry)
+  p.k_entries = int(cache.size(0));
+  p.k_entry_rows = p.seqlen_k = p.total_k = int(cache.size(1));
 }
 
 // The backward's extra layouts: the GQA dK/dV scratch rows (batch, h, seqlen_k) and, with varlen,
@@ -555,26 +562,29 @@ void set_cuda_philox(FwdParams& p) {
 }
 #endif
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> mha_fwd(
-    const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in, double dropout_p,
-    std::optional<double> softmax_scale, bool causal, int64_t window_size_left, int64_t window_size_right,
-    bool return_softmax, bool deterministic, const std::optional<at::Tensor>& block_layout,
-    const std::optional<at::Tensor>& q_block_lists, const std::optional<at::Tensor>& k_block_lists,
-    const std::optional<at::Tensor>& cu_seqlens_q, const std::optional<at::Tensor>& cu_seqlens_k, int64_t max_seqlen_q,
-    int64_t max_seqlen_k, const std::optional<at::Tensor>& attn_bias, const std::optional<at::Tensor>& alibi_slopes,
-    double softcap) {
-  const Varlen vl{cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k};
-  const BlockMask mask{block_layout, q_block_lists, k_block_lists};
-  const ScoreMods mods{attn_bias, alibi_slopes, softcap};
-  const Call c =
-      check_call(q_in, k_in, v_in, vl, mask, mods, dropout_p, softmax_scale, window_size_left, window_size_right);
+// The forward after the op's arguments are gathered: checks, allocation, the kernels. kv: k_in and
+// v_in are a KV cache (entries, rows, h_k, d) read as kv says; out then takes q's strides (the
+// KV-cache op passes a permuted view of q). num_splits (CUDA, no dropout or probabilities): 1,
+// none; 0, as many as fwd_num_splits finds useful; n, n.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> run_fwd(
+    const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in, const Varlen& vl, const BlockMask& mask,
+    const ScoreMods& mods, double dropout_p, std::optional<double> softmax_scale, bool causal,
+    int64_t window_size_left, int64_t window_size_right, bool return_softmax, const KvCacheRead* kv = nullptr,
+    int num_splits = 1) {
+  // A cache is one packed row range that every batch entry sees (batch stride 0); on the CPU in
+  // float32 before the broadcast, which as_float would otherwise copy once per batch entry.
+  const auto as_cache = [&](const at::Tensor& t) {
+    const at::Tensor x = t.is_cpu() ? as_float(t) : t;
+    return x.reshape({1, x.size(0) * x.size(1), x.size(2), x.size(3)}).expand({q_in.size(0), -1, -1, -1});
+  };
+  const Call c = check_call(q_in, kv ? as_cache(k_in) : k_in, kv ? as_cache(v_in) : v_in, vl, mask, mods, dropout_p,
+                            softmax_scale, window_size_left, window_size_right);
   const at::Tensor &q = c.q, &k = c.k, &v = c.v;
   const Shapes &packed = c.packed, &s = c.s;
   const double scale = c.scale;
-  (void)deterministic;  // the forward is deterministic; the flag rides along for the backward
 
   const auto opts = q.options();
-  at::Tensor out = at::empty(q.sizes(), opts);
+  at::Tensor out = kv ? at::empty_like(q) : at::empty(q.sizes(), opts);
   at::Tensor lse = vl.present() ? at::empty({s.h, packed.seqlen_q}, opts.dtype(at::kFloat))
                                 : at::empty({s.b, s.h, s.seqlen_q}, opts.dtype(at::kFloat));
   // Varlen: zeros past each sequence's own rows and keys.
@@ -592,15 +602,30 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> mha_fwd(
     C10_CUDA_CHECK(cudaMemsetAsync(rng_state.data_ptr(), 0, 2 * sizeof(int64_t), stream));
     const auto [d8, qc, kc, vc, cscale, dq_factor] = cuda_qkv(s, q, k, v, scale);
     at::Tensor out_k = d8 == s.d ? out : at::empty({q.size(0), q.size(1), s.h, d8}, opts);
+    TORCH_CHECK(!kv || kc.data_ptr() == k_in.data_ptr(), "flash_attn (internal): a KV cache must reach the kernels "
+                "in place (flash_kvcache.cpp checks what that takes)");
     FwdParams p;
     set_fwd_params(p, s, qc, kc, vc, out_k, lse, dropout_p, cscale, causal, window_size_left, window_size_right);
     set_varlen_params(p, vl, packed.seqlen_q, packed.seqlen_k);
+    set_kvcache_params(p, kv, k_in);
     p.d = int(d8);
     set_block_mask(p, mask);
     const at::Tensor kbias = set_score_mods(p, mods, s, q, /*cuda=*/true);
     p.p_ptr = return_softmax ? probs.data_ptr<float>() : nullptr;
     p.rng_state_ptr = rng_state.data_ptr<int64_t>();
     if (dropout_p > 0.0) set_cuda_philox(p);
+    at::Tensor o_accum, lse_accum;  // split-KV's partials (FwdParams::num_splits)
+    if (num_splits != 1 && dropout_p == 0.0 && !return_softmax) {
+      const int sms = at::cuda::getDeviceProperties(q.get_device())->multiProcessorCount;
+      p.num_splits = cuda::fwd_num_splits(p, sms, num_splits);
+      if (p.num_splits > 1) {
+        lse_accum = at::empty({p.num_splits, lse.numel()}, opts.dtype(at::kFloat));
+        o_accum = at::empty({p.num_splits, lse.numel(), int64_t(p.d)}, opts.dtype(at::kFloat));
+        p.lse_accum_ptr = lse_accum.data_ptr<float>();
+        p.o_accum_ptr = o_accum.data_ptr<float>();
+        p.lse_accum_split_stride = lse.numel();
+      }
+    }
     cuda::run_fwd(p, stream);
     if (!out_k.is_same(out)) out.copy_(out_k.narrow(3, 0, s.d));
     return {unpack(out), lse, return_softmax ? probs.to(q.scalar_type()) : probs, rng_state};
@@ -613,6 +638,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> mha_fwd(
   FwdParams p;
   set_fwd_params(p, s, qf, kf, vf, out_f, lse, dropout_p, scale, causal, window_size_left, window_size_right);
   set_varlen_params(p, vl, packed.seqlen_q, packed.seqlen_k);
+  set_kvcache_params(p, kv, k_in);
   set_block_mask(p, mask);
   const at::Tensor kbias = set_score_mods(p, mods, s, q, /*cuda=*/false);
   p.p_ptr = return_softmax ? probs.data_ptr<float>() : nullptr;
@@ -624,6 +650,22 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> mha_fwd(
   cpu::run_fwd(p);
   if (!out_f.is_same(out)) out.copy_(out_f);
   return {unpack(out), lse, return_softmax ? probs.to(q.scalar_type()) : probs, rng_state};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> mha_fwd(
+    const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in, double dropout_p,
+    std::optional<double> softmax_scale, bool causal, int64_t window_size_left, int64_t window_size_right,
+    bool return_softmax, bool deterministic, const std::optional<at::Tensor>& block_layout,
+    const std::optional<at::Tensor>& q_block_lists, const std::optional<at::Tensor>& k_block_lists,
+    const std::optional<at::Tensor>& cu_seqlens_q, const std::optional<at::Tensor>& cu_seqlens_k, int64_t max_seqlen_q,
+    int64_t max_seqlen_k, const std::optional<at::Tensor>& attn_bias, const std::optional<at::Tensor>& alibi_slopes,
+    double softcap) {
+  const Varlen vl{cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k};
+  const BlockMask mask{block_layout, q_block_lists, k_block_lists};
+  const ScoreMods mods{attn_bias, alibi_slopes, softcap};
+  (void)deterministic;  // the forward is deterministic; the flag rides along for the backward
+  return run_fwd(q_in, k_in, v_in, vl, mask, mods, dropout_p, softmax_scale, causal, window_size_left,
+                 window_size_right, return_softmax);
 }
 
 // q, dout, out: as the caller passed them (varlen: 3-D); s: the call's shapes.
@@ -788,6 +830,34 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> mha_bwd(
 }
 
 }  // namespace
+
+bool index_value_checks_wanted(const at::Tensor& t) {
+  if (VarlenOffsetsChecked::active()) return false;
+#ifdef FLASH_ATTN_WITH_CUDA
+  if (t.is_cuda() && c10::cuda::currentStreamCaptureStatusMayInitCtx() != c10::cuda::CaptureStatus::None) return false;
+#endif
+  static const bool skip = [] {
+    const char* e = std::getenv("FLASH_ATTN_SKIP_VARLEN_CHECKS");
+    return e != nullptr && e[0] == '1';
+  }();
+  return !skip;
+}
+
+std::tuple<at::Tensor, at::Tensor> mha_fwd_kvcache_read(const at::Tensor& q, const at::Tensor& k_cache,
+                                                        const at::Tensor& v_cache, const KvCacheRead& kv,
+                                                        std::optional<double> softmax_scale, bool causal,
+                                                        int64_t window_size_left, int64_t window_size_right,
+                                                        const std::optional<at::Tensor>& alibi_slopes, double softcap,
+                                                        int64_t num_splits) {
+  const std::optional<at::Tensor> none;
+  const Varlen vl{none, none, 0, 0};
+  auto [out, lse, probs, rng_state] =
+      run_fwd(q, k_cache, v_cache, vl, BlockMask{none, none, none}, ScoreMods{none, alibi_slopes, softcap}, 0.0,
+              softmax_scale, causal, window_size_left, window_size_right, false, &kv,
+              int(std::clamp<int64_t>(num_splits, 0, 1 << 20)));
+  return {out, lse};
+}
+
 }  // namespace flash
 
 TORCH_LIBRARY(flash_attn, m) {

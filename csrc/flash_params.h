@@ -79,9 +79,28 @@ struct FwdParams : QKVParams {
   int total_q = 0, total_k = 0;  // rows of the packed tensors (varlen), else seqlen_q / seqlen_k
   int q_row0 = 0, k_row0 = 0;    // set by seq_view: the sequence's first q row and k row (else 0)
 
+  // KV-cache reads (flash_attn_with_kvcache; padded q): k and v are a cache of k_entries entries
+  // of k_entry_rows rows, seen as one packed row range (batch stride 0). Batch entry b reads rows
+  // [leftpad, seqused_k[b] + seqlen_knew) of entry kv_batch_idx[b] (default b), leftpad =
+  // k_leftpad[b] (default 0); seq_view clamps all of them into the cache. The rows past them may
+  // hold anything (NaN too), so only kernels whose loads fill zeros past seqlen_k take a cache.
+  const int32_t* seqused_k = nullptr;
+  const int32_t* kv_batch_idx = nullptr;
+  const int32_t* k_leftpad = nullptr;
+  int seqlen_knew = 0, k_entries = 0, k_entry_rows = 0;
+
   // softmax_lse is (batch, h, seqlen_q), or (h, total_q) with varlen (batch stride 0); row i of
   // head (b, h) is at b * lse_batch_stride + h * lse_head_stride + q_row0 + i.
   int64_t lse_batch_stride = 0, lse_head_stride = 0;
+  // Split-KV (CUDA, the KV-cache forward: too few query blocks to fill the GPU): num_splits CTAs
+  // share each (query block, head, batch)'s key tiles, each writing its rows' normalised output and
+  // logsumexp in float32: split s's row at index s * lse_accum_split_stride + (the row's index in
+  // softmax_lse's layout) of lse_accum_ptr, and d floats from d times that index of o_accum_ptr.
+  // A combine kernel merges them into out and softmax_lse.
+  int num_splits = 1;
+  float* o_accum_ptr = nullptr;
+  float* lse_accum_ptr = nullptr;
+  int64_t lse_accum_split_stride = 0;
   // p_ptr is (batch, h, seqlen_q, seqlen_k), the maxima with varlen.
   int64_t p_batch_stride = 0, p_head_stride = 0, p_row_stride = 0;
 

@@ -30,7 +30,10 @@ FLASH_HOST_DEVICE int64_t varlen_stat_rows(int64_t total_q, int batch) {
   return padded_query_rows(total_q + int64_t(batch) * kDqAccumRowPad);
 }
 
-// p as sequence b sees it: with varlen, its own lengths and first rows; otherwise p itself.
+FLASH_HOST_DEVICE int clamp_int(int x, int lo, int hi) { return x < lo ? lo : x > hi ? hi : x; }
+
+// p as sequence b sees it: with varlen, its own lengths and first rows; with a KV cache (forward),
+// its keys' first row and count; otherwise p itself.
 template <typename Params>
 FLASH_HOST_DEVICE Params seq_view(const Params& p, int b) {
   Params v = p;
@@ -41,6 +44,15 @@ FLASH_HOST_DEVICE Params seq_view(const Params& p, int b) {
     v.q_row0 = q0;
     v.k_row0 = k0;
     if constexpr (std::is_base_of_v<BwdParams, Params>) v.stat_row0 = int(varlen_stat_row0(q0, b));
+  }
+  if constexpr (!std::is_base_of_v<BwdParams, Params>) {
+    if (p.seqused_k != nullptr) {  // a KV cache; the clamps keep unchecked indices inside it
+      const int rows = p.k_entry_rows;
+      const int e = p.kv_batch_idx != nullptr ? clamp_int(p.kv_batch_idx[b], 0, p.k_entries - 1) : b;
+      const int lp = p.k_leftpad != nullptr ? clamp_int(p.k_leftpad[b], 0, rows) : 0;
+      v.k_row0 = e * rows + lp;
+      v.seqlen_k = clamp_int(p.seqused_k[b] + p.seqlen_knew - lp, 0, rows - lp);
+    }
   }
   return v;
 }

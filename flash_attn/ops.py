@@ -10,6 +10,7 @@ import torch
 from . import _library  # noqa: F401  (registers the ops)
 
 fwd = torch.ops.flash_attn.fwd.default
+fwd_kvcache = torch.ops.flash_attn.fwd_kvcache.default
 
 
 @torch.library.register_fake("flash_attn::fwd")
@@ -38,3 +39,11 @@ def _bwd_fake(dout, q, k, v, out, softmax_lse, dropout_p=0.0, softmax_scale=None
               max_seqlen_k=0, attn_bias=None, alibi_slopes=None, softcap=0.0, bias_requires_grad=False):
     dbias = attn_bias.new_empty(attn_bias.shape) if bias_requires_grad else q.new_empty((0,))
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dbias
+
+
+@torch.library.register_fake("flash_attn::fwd_kvcache")
+def _fwd_kvcache_fake(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, cache_batch_idx=None,
+                      cache_leftpad=None, softmax_scale=None, causal=False, window_size_left=-1, window_size_right=-1,
+                      alibi_slopes=None, softcap=0.0, num_splits=0):
+    b, sq, h, _ = q.shape
+    return q.new_empty(q.shape), q.new_empty((b, h, sq), dtype=torch.float32)

@@ -5,23 +5,29 @@ tiles forced, FLASH_ATTN_SM90_FWD_ROWS=192) and (FLASH_ATTN_DISABLE_SM90=1) the 
 dense,
 block-sparse (a random 128 x 128 layout with an empty query block), varlen (packed sequences of
 lengths 0 to 200, the last one ending at the tensor's end) and score modifiers (a broadcast bias
-with its gradient, ALiBi, softcap), atomic and deterministic dQ.
+with its gradient, ALiBi, softcap), atomic and deterministic dQ; KV-cache reads (flash_attn_with_kvcache
+with an append, cache_batch_idx and cache_leftpad, the last entry's keys ending at the cache's end;
+decoding tiles with and without split-KV, the GQA fold, a prefill).
 The persistent sm90 forward and backward run on two CTAs (FLASH_ATTN_SM90_FWD_PERSISTENT=2,
 FLASH_ATTN_SM90_BWD_PERSISTENT=2), so that each walks many tiles and claims them from the counter.
-Usage: sanitize_kernels.py [all|dense|blocksparse|varlen|mods] (racecheck of "all" takes several minutes)."""
+Usage: sanitize_kernels.py [all|dense|blocksparse|varlen|mods|kvcache] (racecheck of "all" takes several minutes)."""
 
 import os
 import sys
 
 import torch
 
-from flash_attn import BlockSparseMask, flash_attn_blocksparse_func, flash_attn_func, flash_attn_varlen_func
+from flash_attn import (BlockSparseMask, flash_attn_blocksparse_func, flash_attn_func, flash_attn_varlen_func,
+                        flash_attn_with_kvcache)
 
 layout = torch.tensor([[True, False, True], [False, False, False], [True, True, False]])
 mask = BlockSparseMask.from_layout(layout, 300, 300).to("cuda")
 lens_q, lens_k = [70, 0, 1, 200, 129], [65, 3, 0, 150, 200]
 cu_q, cu_k = (torch.tensor([0] + list(torch.tensor(x).cumsum(0)), dtype=torch.int32, device="cuda")
               for x in (lens_q, lens_k))
+cache_index = dict(cache_seqlens=torch.tensor([0, 77, 148], dtype=torch.int32, device="cuda"),
+                   cache_batch_idx=torch.tensor([1, 0, 2], dtype=torch.int32, device="cuda"),
+                   cache_leftpad=torch.tensor([0, 10, 3], dtype=torch.int32, device="cuda"))
 which = sys.argv[1] if len(sys.argv) > 1 else "all"
 os.environ["FLASH_ATTN_SM90_FWD_PERSISTENT"] = "2"
 os.environ["FLASH_ATTN_SM90_BWD_PERSISTENT"] = "2"
@@ -54,6 +60,12 @@ for portable, sync, rows in (("0", "0", ""), ("0", "0", "192"), ("0", "1", ""), 
                                                     alibi_slopes=torch.rand(2, device="cuda"), attn_bias=bias,
                                                     deterministic=deterministic, return_attn_probs=True)
                         out.sum().backward()
+                if which in ("all", "kvcache") and dropout_p == 0.0:
+                    kc, vc = [torch.randn(3, 150, 1, d, device="cuda", dtype=dtype) for _ in range(2)]
+                    kn, vn = [torch.randn(3, 2, 1, d, device="cuda", dtype=dtype) for _ in range(2)]
+                    for sq, splits in ((5, 0), (5, 3), (1, 2), (100, 0)):  # decoding, split-KV, GQA fold, prefill
+                        flash_attn_with_kvcache(torch.randn(3, sq, 2, d, device="cuda", dtype=dtype), kc, vc, kn, vn,
+                                                causal=causal, num_splits=splits, **cache_index)
                 q, k, v = [torch.randn(1, 300, 2, d, device="cuda", dtype=dtype, requires_grad=True) for _ in range(3)]
                 for deterministic in (False, True) if which in ("all", "blocksparse") else ():
                     out, _, _ = flash_attn_blocksparse_func(q, k, v, mask, dropout_p=dropout_p, causal=causal,

@@ -72,15 +72,41 @@ __device__ __forceinline__ void dropout_qmajor(float (&s)[kN / 8][4], const Drop
 // row + g, and row0 + 8) of head (b, h) (-inf where nothing was seen), and return through scale
 // what their outputs are multiplied by: the dropout rescale over the softmax sum (0 where nothing
 // was seen). p: a seq_view.
-__device__ __forceinline__ void write_lse(const FwdParams& p, int b, int h, int row0, const float (&m)[2],
+__device__ __forceinline__ void write_lse(const FwdParams& p, float* lse, int row0, const float (&m)[2],
                                           const float (&l)[2], int lane, float (&scale)[2]) {
-  float* lse = lse_rows(p, b, h);
 #pragma unroll
   for (int hr = 0; hr < 2; ++hr) {
     const int row = row0 + 8 * hr;
     const float lsum = quad_sum(l[hr]);
     scale[hr] = lsum > 0.f ? p.rp_dropout / lsum : 0.f;
     if (row < p.seqlen_q && lane % 4 == 0) lse[row] = lsum > 0.f ? (m[hr] + __log2f(lsum)) * kLn2 : kNegInf;
+  }
+}
+
+__device__ __forceinline__ void write_lse(const FwdParams& p, int b, int h, int row0, const float (&m)[2],
+                                          const float (&l)[2], int lane, float (&scale)[2]) {
+  write_lse(p, lse_rows(p, b, h), row0, m, l, lane, scale);
+}
+
+// Split-KV: the same rows' logsumexp and normalised outputs as split `split`'s float32 partials
+// (FwdParams::num_splits).
+template <int kD>
+__device__ __forceinline__ void write_split_partial(const FwdParams& p, int b, int h, int split, int row0,
+                                                    const float (&acc)[kD / 8][4], const float (&m)[2],
+                                                    const float (&l)[2], int lane) {
+  const int64_t base =
+      split * p.lse_accum_split_stride + b * p.lse_batch_stride + h * p.lse_head_stride + p.q_row0;
+  float scale[2];
+  write_lse(p, p.lse_accum_ptr + base, row0, m, l, lane, scale);
+#pragma unroll
+  for (int hr = 0; hr < 2; ++hr) {
+    const int row = row0 + 8 * hr;
+    if (row >= p.seqlen_q) continue;
+    float2* dst = reinterpret_cast<float2*>(p.o_accum_ptr + (base + row) * p.d + 2 * (lane % 4));
+#pragma unroll
+    for (int dt = 0; dt < kD / 8; ++dt)
+      if (dt * 8 + 2 * (lane % 4) < p.d)
+        dst[dt * 4] = make_float2(acc[dt][2 * hr] * scale[hr], acc[dt][2 * hr + 1] * scale[hr]);
   }
 }
 
@@ -110,7 +136,8 @@ __global__ void __launch_bounds__(T::kNThreads) flash_fwd_kernel(const FwdParams
 
   // Last query block first: under a causal mask it has the most keys, so the long blocks start
   // early and the short ones fill the tail of the grid.
-  const int m0 = (gridDim.x - 1 - blockIdx.x) * kM, h = blockIdx.y, b = blockIdx.z;
+  const int m0 = (gridDim.x - 1 - blockIdx.x) * kM, h = blockIdx.y;
+  const int b = blockIdx.z / params.num_splits, split = blockIdx.z % params.num_splits;
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4;
   constexpr bool dropout = kDropout;
   DropoutState ds{};
@@ -125,7 +152,12 @@ __global__ void __launch_bounds__(T::kNThreads) flash_fwd_kernel(const FwdParams
   if (m0 >= p.seqlen_q) return;  // varlen: past this sequence's rows
   const HeadPtrs<Elem> hp = head_ptrs<Elem>(p, b, h);
 
-  const TileSeq tiles = key_tiles<kN>(p, b, h, m0, kM);
+  TileSeq tiles = key_tiles<kN>(p, b, h, m0, kM);
+  if (p.num_splits > 1) {  // this split's share: a contiguous run of the walk
+    const int share = (tiles.count + p.num_splits - 1) / p.num_splits, first = min(tiles.count, split * share);
+    tiles.first += first;
+    tiles.count = min(share, tiles.count - first);
+  }
   const int warp_row = warp * 16 * kMT;  // first query of this warp, relative to m0
 
   float acc[kMT][kD / 8][4];
@@ -200,7 +232,11 @@ __global__ void __launch_bounds__(T::kNThreads) flash_fwd_kernel(const FwdParams
   }
 
 #pragma unroll
-  for (int mt = 0; mt < kMT; ++mt) write_o_lse<Elem, kD>(p, b, h, m0 + warp_row + mt * 16 + g, acc[mt], m[mt], l[mt], lane);
+  for (int mt = 0; mt < kMT; ++mt) {
+    const int row0 = m0 + warp_row + mt * 16 + g;
+    if (p.num_splits > 1) write_split_partial<kD>(p, b, h, split, row0, acc[mt], m[mt], l[mt], lane);
+    else write_o_lse<Elem, kD>(p, b, h, row0, acc[mt], m[mt], l[mt], lane);
+  }
 }
 
 // return_attn_probs: once the logsumexp is known, recompute each score tile and write the exact

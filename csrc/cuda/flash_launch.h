@@ -3,6 +3,7 @@
 
 #include <cuda_runtime_api.h>
 
+#include <algorithm>
 #include <cstdint>
 
 #include "../flash_params.h"
@@ -34,6 +35,43 @@ inline int64_t dq_accum_row_stride(int64_t d) {
 FLASH_HOST_DEVICE int dq_accum_col(bool swizzled, int row, int col, int d) {
   return swizzled ? col ^ ((row & (d % 64 == 0 ? 7 : 3)) << 3) : col;
 }
+
+// The portable forward's tiles (FwdConfig is built from these): query rows and keys per tile. A
+// KV-cache read of at most kDecodeRows query rows (decoding) runs smaller tiles (FwdDecodeConfig:
+// 16 rows up to 16 query rows, else kDecodeRows), which spend less work on rows that do not exist.
+FLASH_HOST_DEVICE constexpr int fwd_block_m(int head_dim) { return head_dim <= 128 ? 128 : 64; }
+inline constexpr int kFwdBlockN = 64, kMaxSplits = 128, kDecodeRows = 64;
+inline bool fwd_decode_tiles(const FwdParams& p) { return p.seqused_k != nullptr && p.seqlen_q <= kDecodeRows; }
+
+// Split-KV for the KV-cache forward (FwdParams::num_splits). requested 0: none where the query
+// blocks already fill 80% of the SMs, else enough that the grid holds about two CTAs per SM, each
+// with at least four key tiles; requested n > 0: n (capped at one key tile each and kMaxSplits).
+// p.seqlen_k: the longest keys.
+inline int fwd_num_splits(const FwdParams& p, int num_sms, int requested) {
+  const int bm = fwd_decode_tiles(p) ? kDecodeRows : fwd_block_m(int(dq_accum_row_stride(p.d)));
+  const int64_t blocks = int64_t(p.b) * p.h * ((p.seqlen_q + bm - 1) / bm);
+  const int key_tiles = (p.seqlen_k + kFwdBlockN - 1) / kFwdBlockN;
+  if (blocks == 0 || key_tiles == 0) return 1;
+  if (requested <= 0 && 5 * blocks >= 4 * int64_t(num_sms)) return 1;
+  int64_t n = requested > 0 ? requested
+                           : std::min<int64_t>((2 * int64_t(num_sms) + blocks - 1) / blocks, key_tiles / 4);
+  n = std::min<int64_t>({n, key_tiles, kMaxSplits});
+  return int(std::max<int64_t>(n, 1));
+}
+
+// flash_attn_with_kvcache's append: new rows (batch, seqlen_new, h_k, d) of k and v into the cache
+// at rows seqlens[b] + j of entry batch_idx[b] (b where null). Rows that would fall outside the
+// cache (only possible when the host checks were skipped) are dropped. 16-bit elements; strides in
+// elements, (batch, row, head), the head dim contiguous.
+struct KvAppendParams {
+  const void *k_new, *v_new;
+  void *k_cache, *v_cache;
+  int64_t k_new_strides[3], v_new_strides[3], k_cache_strides[3], v_cache_strides[3];
+  const int32_t* seqlens;
+  const int32_t* batch_idx;
+  int b, seqlen_new, h_k, d, entries, rows;
+};
+void kvcache_append(const KvAppendParams& a, cudaStream_t stream);
 
 void run_fwd(FwdParams& params, cudaStream_t stream);
 void run_bwd(BwdParams& params, cudaStream_t stream);

@@ -69,8 +69,11 @@ template <typename Elem, int kHeadDim, bool kBlockSparse, int kRows>
 bool run_mha_fwd_sm90_ws_(const FwdParams& p, cudaStream_t stream) {
   using T = FwdSm90WsConfig<Elem, kHeadDim, kRows>;
   const char* off = std::getenv("FLASH_ATTN_SM90_FWD_SYNC");
-  // (No keys: a descriptor cannot describe an empty tensor; the other kernel writes the zeros.)
-  if ((off != nullptr && off[0] == '1') || p.seqlen_k == 0 || T::kSmemBytes > cuda::smem_per_block_optin() ||
+  // (No keys: a descriptor cannot describe an empty tensor; the other kernel writes the zeros.
+  // seqused_k: TMA would load the cache slots past a sequence's keys, which may hold NaN, where the
+  // other kernel's loads fill zeros.)
+  if ((off != nullptr && off[0] == '1') || p.seqlen_k == 0 || p.seqused_k != nullptr ||
+      T::kSmemBytes > cuda::smem_per_block_optin() ||
       !q_view(p).compatible() || !k_view(p).compatible() || !v_view(p).compatible())
     return false;
   // Persistent (cuda::persistent_grid): FLASH_ATTN_SM90_FWD_PERSISTENT=0 launches a CTA per tile

@@ -1,0 +1,40 @@
+// What the op layer (flash_api.cpp) offers the other op files: the KV-cache op
+// (flash_kvcache.cpp) checks its own arguments, then runs the shared forward.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <cstdint>
+#include <optional>
+#include <tuple>
+
+namespace flash {
+
+// Whether checks that read index tensors on the host (a device sync) should run now: not while a
+// CUDA graph is being captured, not with FLASH_ATTN_SKIP_VARLEN_CHECKS=1, not in a backward whose
+// forward checked the same offsets (VarlenOffsetsChecked).
+bool index_value_checks_wanted(const at::Tensor& t);
+
+// How flash_attn_with_kvcache reads its cache (FwdParams::seqused_k): int32 device vectors of one
+// entry per batch entry; batch_idx and leftpad may be null (entry b, row 0).
+struct KvCacheRead {
+  const int32_t* seqused;    // keys in the cache before the new ones
+  const int32_t* batch_idx;  // the cache entry of each batch entry
+  const int32_t* leftpad;    // each entry's first key row
+  int seqlen_new;            // keys appended after seqused
+};
+
+// The forward of q (batch, seqlen_q, nheads, headdim; any strides) over k_cache and v_cache
+// (entries, rows, nheads_k, headdim) as kv says. The caller has checked kv's values (or the
+// kernels clamp them into the cache). On CUDA the cache must need no copy to reach the kernels:
+// 16-byte aligned rows, headdim a multiple of 8. num_splits: CTAs sharing each query block's keys
+// on CUDA (0: a heuristic, 1: none). Returns out (q's shape and strides) and softmax_lse (batch,
+// nheads, seqlen_q).
+std::tuple<at::Tensor, at::Tensor> mha_fwd_kvcache_read(const at::Tensor& q, const at::Tensor& k_cache,
+                                                        const at::Tensor& v_cache, const KvCacheRead& kv,
+                                                        std::optional<double> softmax_scale, bool causal,
+                                                        int64_t window_size_left, int64_t window_size_right,
+                                                        const std::optional<at::Tensor>& alibi_slopes, double softcap,
+                                                        int64_t num_splits);
+
+}  // namespace flash

@@ -1,0 +1,196 @@
+// flash_attn::fwd_kvcache: flash-attn 2.x's flash_attn_with_kvcache after its rotary embeddings
+// (applied by the Python wrapper): new keys and values appended to the cache in place, then
+// attention over each batch entry's keys, cache rows [cache_leftpad[i], cache_seqlens[i] + new) of
+// cache entry cache_batch_idx[i], which the kernels read in place (FwdParams::seqused_k). Forward
+// only.
+#include <ATen/ATen.h>
+#include <torch/library.h>
+
+#include <cstdint>
+#include <limits>
+#include <optional>
+#include <tuple>
+
+#include "flash_api.h"
+
+#ifdef FLASH_ATTN_WITH_CUDA
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+
+#include "cuda/flash_launch.h"
+#endif
+
+namespace flash {
+namespace {
+
+using OptTensor = std::optional<at::Tensor>;
+
+void check_rank4(const at::Tensor& t, const char* name, const char* shape) {
+  TORCH_CHECK(t.defined(), "flash_attn_with_kvcache: ", name, " must be a tensor, got None");
+  TORCH_CHECK(t.dim() == 4, "flash_attn_with_kvcache: ", name, " must have shape ", shape, ", got a tensor of rank ",
+              t.dim(), " with shape ", t.sizes());
+}
+
+// An int32 vector of one entry per batch entry, on q's device.
+void check_per_batch(const at::Tensor& t, const char* name, int64_t batch, const at::Tensor& q) {
+  TORCH_CHECK(t.scalar_type() == at::kInt, "flash_attn_with_kvcache: ", name, " must be int32, got ", t.scalar_type());
+  TORCH_CHECK(t.dim() == 1 && t.size(0) == batch, "flash_attn_with_kvcache: ", name,
+              " must have shape (batch,) = (", batch, ",), got ", t.sizes());
+  TORCH_CHECK(t.device() == q.device(), "flash_attn_with_kvcache: ", name, " must be on the device of q (", q.device(),
+              "), got ", t.device());
+}
+
+// The per-batch values, read on the host (a device sync; skipped where index_value_checks_wanted
+// says so, like the varlen offsets): 0 <= leftpad <= seqlens and seqlens + new <= cache rows,
+// 0 <= index < entries.
+void check_values(const at::Tensor& seqlens, int64_t new_keys, const OptTensor& batch_idx, const OptTensor& leftpad,
+                  int64_t rows, int64_t entries) {
+  if (!index_value_checks_wanted(seqlens)) return;
+  const at::Tensor n = seqlens.to(at::kCPU);
+  const at::Tensor lp = leftpad ? leftpad->to(at::kCPU) : at::zeros_like(n);
+  const int32_t *pn = n.data_ptr<int32_t>(), *plp = lp.data_ptr<int32_t>();
+  for (int64_t i = 0; i < n.numel(); ++i) {
+    TORCH_CHECK(pn[i] >= 0 && pn[i] + new_keys <= rows, "flash_attn_with_kvcache: cache_seqlens[", i, "] = ", pn[i],
+                (new_keys > 0 ? " plus the new keys" : ""), " must be in [0, seqlen_cache = ", rows,
+                "]: the cache has no room past row ", rows);
+    TORCH_CHECK(plp[i] >= 0 && plp[i] <= pn[i] + new_keys, "flash_attn_with_kvcache: cache_leftpad[", i, "] = ",
+                plp[i], " must be in [0, ", pn[i] + new_keys, "] (0 to that entry's keys)");
+  }
+  if (batch_idx) {
+    const at::Tensor idx = batch_idx->to(at::kCPU);
+    const int32_t* pi = idx.data_ptr<int32_t>();
+    for (int64_t i = 0; i < idx.numel(); ++i)
+      TORCH_CHECK(pi[i] >= 0 && pi[i] < entries, "flash_attn_with_kvcache: cache_batch_idx[", i, "] = ", pi[i],
+                  " is not an entry of k_cache (", entries, " entries)");
+  }
+}
+
+// New keys and values: (batch, seqlen_new, nheads_k, headdim), the cache's dtype and device.
+void check_new(const at::Tensor& t, const char* name, int64_t b, const at::Tensor& cache) {
+  check_rank4(t, name, "(batch, seqlen_new, nheads_k, headdim)");
+  TORCH_CHECK(t.size(0) == b && t.size(2) == cache.size(2) && t.size(3) == cache.size(3),
+              "flash_attn_with_kvcache: ", name, " must have shape (batch, seqlen_new, nheads_k, headdim) = (", b,
+              ", seqlen_new, ", cache.size(2), ", ", cache.size(3), "), got ", t.sizes());
+  TORCH_CHECK(t.scalar_type() == cache.scalar_type() && t.device() == cache.device(), "flash_attn_with_kvcache: ",
+              name, " must have the cache's dtype and device (", cache.scalar_type(), ", ", cache.device(), "), got ",
+              t.scalar_type(), ", ", t.device());
+}
+
+// The new keys and values into the cache at rows seqlens[i] + j of entry idx[i] (checked before,
+// or dropped by the CUDA kernel where they would fall outside it).
+void append(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& kn, const at::Tensor& vn,
+            const at::Tensor& seqlens, const OptTensor& idx) {
+  const int64_t b = kn.size(0), n = kn.size(1);
+#ifdef FLASH_ATTN_WITH_CUDA
+  if (k_cache.is_cuda()) {
+    TORCH_CHECK(kn.stride(3) == 1 && vn.stride(3) == 1, "flash_attn_with_kvcache: k and v must have a contiguous "
+                "head dim, got strides ", kn.strides(), " and ", vn.strides());
+    c10::cuda::CUDAGuard guard(k_cache.device());
+    cuda::KvAppendParams a{kn.data_ptr(), vn.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+                           {kn.stride(0), kn.stride(1), kn.stride(2)}, {vn.stride(0), vn.stride(1), vn.stride(2)},
+                           {k_cache.stride(0), k_cache.stride(1), k_cache.stride(2)},
+                           {v_cache.stride(0), v_cache.stride(1), v_cache.stride(2)},
+                           seqlens.data_ptr<int32_t>(), idx ? idx->data_ptr<int32_t>() : nullptr, int(b), int(n),
+                           int(kn.size(2)), int(kn.size(3)), int(k_cache.size(0)), int(k_cache.size(1))};
+    cuda::kvcache_append(a, at::cuda::getCurrentCUDAStream().stream());
+    return;
+  }
+#endif
+  const auto i64 = seqlens.options().dtype(at::kLong);
+  const at::Tensor pos = seqlens.to(at::kLong).unsqueeze(1) + at::arange(n, i64);
+  const at::Tensor ent = (idx ? idx->to(at::kLong) : at::arange(b, i64)).unsqueeze(1).expand({b, n});
+  k_cache.index_put_({ent, pos}, kn);
+  v_cache.index_put_({ent, pos}, vn);
+}
+
+// The kernels read a CUDA cache in place, which needs what cp.async needs (flash_api.cpp's
+// cuda_operand would copy it otherwise): 16-byte aligned rows, the head dim a multiple of 8.
+void check_cache_in_place(const at::Tensor& t, const char* name) {
+  if (!t.is_cuda()) return;
+  bool ok = reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0 && t.size(3) % 8 == 0 && t.stride(3) == 1;
+  for (int i = 0; i < 3; ++i) ok = ok && (t.size(i) <= 1 || t.stride(i) % 8 == 0);
+  TORCH_CHECK(ok, "flash_attn_with_kvcache: on CUDA ", name, " must have a head dim that is a multiple of 8, "
+              "16-byte aligned data and strides that are multiples of 8 elements, got shape ", t.sizes(),
+              " and strides ", t.strides());
+}
+
+// q: (batch, seqlen_q, nheads, headdim); k_cache, v_cache: (batch_cache, seqlen_cache, nheads_k,
+// headdim), written in place at rows cache_seqlens[i] + j where k_new, v_new (batch, seqlen_new,
+// nheads_k, headdim) are given. cache_seqlens (batch,) int32, or None for full entries.
+// num_splits: split-KV on CUDA (0: as many as fill the GPU, 1: none, n: n). Returns out (batch,
+// seqlen_q, nheads, headdim) and softmax_lse (batch, nheads, seqlen_q).
+std::tuple<at::Tensor, at::Tensor> mha_fwd_kvcache(const at::Tensor& q, at::Tensor& k_cache, at::Tensor& v_cache,
+                                                   const OptTensor& k_new, const OptTensor& v_new,
+                                                   const OptTensor& cache_seqlens, const OptTensor& cache_batch_idx,
+                                                   const OptTensor& cache_leftpad, std::optional<double> softmax_scale,
+                                                   bool causal, int64_t window_size_left, int64_t window_size_right,
+                                                   const OptTensor& alibi_slopes, double softcap, int64_t num_splits) {
+  const auto given = [](const OptTensor& t) { return t && t->defined() ? t : std::nullopt; };
+  const OptTensor kn = given(k_new), vn = given(v_new), idx = given(cache_batch_idx), lp = given(cache_leftpad);
+  check_rank4(q, "q", "(batch, seqlen_q, nheads, headdim)");
+  check_rank4(k_cache, "k_cache", "(batch_cache, seqlen_cache, nheads_k, headdim)");
+  check_rank4(v_cache, "v_cache", "(batch_cache, seqlen_cache, nheads_k, headdim)");
+  TORCH_CHECK(v_cache.sizes() == k_cache.sizes(), "flash_attn_with_kvcache: v_cache must have the shape of k_cache ",
+              k_cache.sizes(), ", got ", v_cache.sizes());
+  const int64_t b = q.size(0), sq = q.size(1), entries = k_cache.size(0), rows = k_cache.size(1);
+  TORCH_CHECK(kn.has_value() == vn.has_value(), "flash_attn_with_kvcache: k and v must be given together, got ",
+              kn ? "v = None" : "k = None");
+  if (kn) {
+    check_new(*kn, "k", b, k_cache);
+    check_new(*vn, "v", b, v_cache);
+    TORCH_CHECK(vn->size(1) == kn->size(1), "flash_attn_with_kvcache: k and v must have the same seqlen_new, got ",
+                kn->size(1), " and ", vn->size(1));
+  }
+  TORCH_CHECK(num_splits >= 0, "flash_attn_with_kvcache: num_splits must be >= 0 (0: chosen here), got ", num_splits);
+  const int64_t new_keys = kn ? kn->size(1) : 0;
+  TORCH_CHECK(!kn || (cache_seqlens && cache_seqlens->defined()),
+              "flash_attn_with_kvcache: k and v are appended at cache_seqlens, which must then be given, got None");
+  const at::Tensor seqlens = cache_seqlens && cache_seqlens->defined()
+                                 ? *cache_seqlens
+                                 : at::full({b}, rows, q.options().dtype(at::kInt));
+  check_per_batch(seqlens, "cache_seqlens", b, q);
+  if (idx) check_per_batch(*idx, "cache_batch_idx", b, q);
+  if (lp) check_per_batch(*lp, "cache_leftpad", b, q);
+  TORCH_CHECK(idx || entries == b, "flash_attn_with_kvcache: k_cache has ", entries, " batch entries and q ", b,
+              "; pass cache_batch_idx to pick entries");
+  TORCH_CHECK(entries > 0 || b == 0, "flash_attn_with_kvcache: k_cache has no batch entries for q's ", b);
+  TORCH_CHECK(b * sq <= std::numeric_limits<int>::max() && entries * rows <= std::numeric_limits<int>::max(),
+              "flash_attn_with_kvcache: batch x seqlen must fit in 32 bits for q and for the cache");
+  check_cache_in_place(k_cache, "k_cache");
+  check_cache_in_place(v_cache, "v_cache");
+  check_values(seqlens, new_keys, idx, lp, rows, entries);
+
+  if (kn) append(k_cache, v_cache, *kn, *vn, seqlens, idx);
+  // One decoding query per head under GQA: the g query heads of a key head become g query rows of
+  // it (causal then changes nothing: one query sees every key), so each key tile is read once per
+  // key head rather than once per query head: q (b, 1, h, d) seen as (b, g, h_k, d). Not with
+  // a window or ALiBi, which differ per row or head.
+  const int64_t h = q.size(2), hk = k_cache.size(2), g = hk > 0 ? h / hk : 1;
+  const bool fold = sq == 1 && g > 1 && h % hk == 0 && window_size_left < 0 && window_size_right < 0 &&
+                    !(alibi_slopes && alibi_slopes->defined());
+  const at::Tensor qv = fold ? q.reshape({b, hk, g, q.size(3)}).transpose(1, 2) : q;
+  const KvCacheRead kv{seqlens.data_ptr<int32_t>(), idx ? idx->data_ptr<int32_t>() : nullptr,
+                       lp ? lp->data_ptr<int32_t>() : nullptr, int(new_keys)};
+  auto [out, lse] = mha_fwd_kvcache_read(qv, k_cache, v_cache, kv, softmax_scale, causal && !fold, window_size_left,
+                                         window_size_right, alibi_slopes, softcap, num_splits);
+  if (fold)  // out has qv's strides: (b, g, h_k, d) over (b, 1, h, d) memory; lse (b, h_k, g) = (b, h, 1)
+    return {out.transpose(1, 2).reshape({b, 1, h, out.size(3)}), lse.reshape({b, h, 1})};
+  return {out.contiguous(), lse};
+}
+
+}  // namespace
+}  // namespace flash
+
+TORCH_LIBRARY_FRAGMENT(flash_attn, m) {
+  m.def(
+      "fwd_kvcache(Tensor q, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor? k=None, Tensor? v=None, "
+      "Tensor? cache_seqlens=None, Tensor? cache_batch_idx=None, Tensor? cache_leftpad=None, "
+      "float? softmax_scale=None, bool causal=False, int window_size_left=-1, int window_size_right=-1, "
+      "Tensor? alibi_slopes=None, float softcap=0., int num_splits=0) -> (Tensor out, Tensor softmax_lse)");
+}
+
+TORCH_LIBRARY_IMPL(flash_attn, CPU, m) { m.impl("fwd_kvcache", &flash::mha_fwd_kvcache); }
+
+#ifdef FLASH_ATTN_WITH_CUDA
+TORCH_LIBRARY_IMPL(flash_attn, CUDA, m) { m.impl("fwd_kvcache", &flash::mha_fwd_kvcache); }
+#endif
