@@ -10,6 +10,7 @@
 #include <limits>
 #include <optional>
 #include <tuple>
+#include <vector>
 
 #include "flash_api.h"
 
@@ -40,28 +41,29 @@ void check_per_batch(const at::Tensor& t, const char* name, int64_t batch, const
               "), got ", t.device());
 }
 
-// The per-batch values, read on the host (a device sync; skipped where index_value_checks_wanted
-// says so, like the varlen offsets): 0 <= leftpad <= seqlens and seqlens + new <= cache rows,
-// 0 <= index < entries.
+// The per-batch values, read on the host in one copy (a device sync; skipped where
+// index_value_checks_wanted says so, like the varlen offsets): 0 <= leftpad <= seqlens and
+// seqlens + new <= cache rows, 0 <= index < entries.
 void check_values(const at::Tensor& seqlens, int64_t new_keys, const OptTensor& batch_idx, const OptTensor& leftpad,
                   int64_t rows, int64_t entries) {
   if (!index_value_checks_wanted(seqlens)) return;
-  const at::Tensor n = seqlens.to(at::kCPU);
-  const at::Tensor lp = leftpad ? leftpad->to(at::kCPU) : at::zeros_like(n);
-  const int32_t *pn = n.data_ptr<int32_t>(), *plp = lp.data_ptr<int32_t>();
-  for (int64_t i = 0; i < n.numel(); ++i) {
+  const int64_t b = seqlens.numel();
+  std::vector<at::Tensor> parts{seqlens};
+  if (leftpad) parts.push_back(*leftpad);
+  if (batch_idx) parts.push_back(*batch_idx);
+  const at::Tensor host = (parts.size() == 1 ? seqlens : at::cat(parts)).to(at::kCPU);
+  const int32_t* pn = host.data_ptr<int32_t>();
+  const int32_t* plp = leftpad ? pn + b : nullptr;
+  const int32_t* pi = batch_idx ? pn + (leftpad ? 2 : 1) * b : nullptr;
+  for (int64_t i = 0; i < b; ++i) {
     TORCH_CHECK(pn[i] >= 0 && pn[i] + new_keys <= rows, "flash_attn_with_kvcache: cache_seqlens[", i, "] = ", pn[i],
                 (new_keys > 0 ? " plus the new keys" : ""), " must be in [0, seqlen_cache = ", rows,
                 "]: the cache has no room past row ", rows);
-    TORCH_CHECK(plp[i] >= 0 && plp[i] <= pn[i] + new_keys, "flash_attn_with_kvcache: cache_leftpad[", i, "] = ",
-                plp[i], " must be in [0, ", pn[i] + new_keys, "] (0 to that entry's keys)");
-  }
-  if (batch_idx) {
-    const at::Tensor idx = batch_idx->to(at::kCPU);
-    const int32_t* pi = idx.data_ptr<int32_t>();
-    for (int64_t i = 0; i < idx.numel(); ++i)
-      TORCH_CHECK(pi[i] >= 0 && pi[i] < entries, "flash_attn_with_kvcache: cache_batch_idx[", i, "] = ", pi[i],
-                  " is not an entry of k_cache (", entries, " entries)");
+    const int32_t lp = plp ? plp[i] : 0;
+    TORCH_CHECK(lp >= 0 && lp <= pn[i] + new_keys, "flash_attn_with_kvcache: cache_leftpad[", i, "] = ", lp,
+                " must be in [0, ", pn[i] + new_keys, "] (0 to that entry's keys)");
+    TORCH_CHECK(!pi || (pi[i] >= 0 && pi[i] < entries), "flash_attn_with_kvcache: cache_batch_idx[", i, "] = ",
+                pi ? pi[i] : 0, " is not an entry of k_cache (", entries, " entries)");
   }
 }
 
