@@ -14,6 +14,7 @@ from flash_attn import flash_attn_func
 from flash_attn.layers import RotaryEmbedding, apply_rotary_emb
 from flash_attn.modules import MHA, FlashCrossAttention, FlashSelfAttention
 from flash_attn.modules.mha import get_alibi_slopes
+from flash_attn.utils.generation import InferenceParams
 from reference import attention_ref, check_rule
 
 
@@ -178,12 +179,97 @@ def test_mha_options_and_errors():
         MHA(65, 4)
     with pytest.raises(ValueError, match="multiple of num_heads_kv"):
         MHA(64, 4, num_heads_kv=3)
-    with pytest.raises(NotImplementedError, match="inference_params"):
-        MHA(64, 4)(x, inference_params=object())
+    with pytest.raises(NotImplementedError, match="mixer_subset"):
+        MHA(64, 4)(x, mixer_subset=slice(0, 1))
+    with pytest.raises(ValueError, match="layer_idx"):
+        MHA(64, 4)(x, inference_params=InferenceParams(16, 2))
+    with pytest.raises(ValueError, match="excludes cu_seqlens and key_padding_mask"):
+        MHA(64, 4, layer_idx=0)(x, key_padding_mask=torch.ones(2, 9, dtype=torch.bool),
+                                inference_params=InferenceParams(16, 2))
     with pytest.raises(ValueError, match="max_seqlen"):
         MHA(64, 4)(x.view(18, 64), cu_seqlens=torch.tensor([0, 18], dtype=torch.int32))
     with pytest.raises(ValueError, match="key_padding_mask"):
         MHA(64, 4)(x, key_padding_mask=torch.ones(2, 8, dtype=torch.bool))
+
+
+DECODE_CASES = {"causal_rotary": CASES["causal_rotary"], "gqa_rotary": CASES["gqa_rotary"],
+                "alibi": CASES["alibi"], "gqa_window": dict(num_heads_kv=2, causal=True, window_size=(5, 0))}
+
+
+def decode_all(m, x, prompt, ip):
+    """The prompt in one call, then one token a call, each through the KV cache."""
+    outs = [m(x[:, :prompt], inference_params=ip)]
+    for t in range(prompt, x.shape[1]):
+        ip.seqlen_offset = t
+        outs.append(m(x[:, t:t + 1], inference_params=ip))
+    return torch.cat(outs, dim=1)
+
+
+@pytest.mark.parametrize("case", list(DECODE_CASES))
+def test_mha_decoding_equals_full_forward_cpu(case):
+    """inference_params: a prompt, then tokens decoded one at a time, equal the causal forward of
+    the whole sequence, the cache allocated on first use."""
+    m = MHA(128, 4, layer_idx=3, **DECODE_CASES[case])
+    x = torch.randn(2, 23, 128)
+    ip = InferenceParams(max_seqlen=40, max_batch_size=2)
+    with torch.no_grad():
+        torch.testing.assert_close(decode_all(m, x, 10, ip), m(x), atol=1e-5, rtol=1e-5)
+    assert ip.key_value_memory_dict[3].shape == (2, 40, 2, m.num_heads_kv, 32)
+
+
+def test_mha_decoding_lengths_per_sample_cpu():
+    """Sequences of different lengths decoded together (lengths_per_sample), their prompts
+    written one at a time (batch_size_offset), into a cache from allocate_inference_cache."""
+    m = MHA(128, 4, num_heads_kv=2, causal=True, rotary_emb_dim=16, layer_idx=0)
+    seqs = [torch.randn(1, 12, 128), torch.randn(1, 7, 128)]
+    ip = InferenceParams(max_seqlen=16, max_batch_size=2)
+    ip.key_value_memory_dict[0] = m.allocate_inference_cache(2, 16)
+    with torch.no_grad():
+        for i, x in enumerate(seqs):
+            ip.batch_size_offset = i
+            m(x[:, :-1], inference_params=ip)
+        ip.batch_size_offset = 0
+        ip.lengths_per_sample = torch.tensor([11, 6], dtype=torch.int32)
+        out = m(torch.cat([x[:, -1:] for x in seqs]), inference_params=ip)
+        for i, x in enumerate(seqs):
+            torch.testing.assert_close(out[i, 0], m(x)[0, -1], atol=1e-5, rtol=1e-5)
+    ip.reset(16, 2)
+    assert ip.seqlen_offset == 0 and (ip.lengths_per_sample == 0).all() and 0 in ip.key_value_memory_dict
+
+
+def test_mha_decoding_compile_fullgraph_cpu():
+    """A decoding step with per-sequence lengths, compiled without graph breaks, advances its cache
+    as the eager step does."""
+    torch._dynamo.reset()
+    m = MHA(128, 4, num_heads_kv=2, causal=True, rotary_emb_dim=16, layer_idx=0)
+    ips = [InferenceParams(max_seqlen=32, max_batch_size=2, lengths_per_sample=torch.tensor([3, 7], dtype=torch.int32))
+           for _ in range(2)]
+    ips[0].key_value_memory_dict[0] = torch.randn(2, 32, 2, 2, 32)
+    ips[1].key_value_memory_dict[0] = ips[0].key_value_memory_dict[0].clone()
+    compiled = torch.compile(lambda x: m(x, inference_params=ips[1]), fullgraph=True)
+    with torch.no_grad():
+        for _ in range(3):
+            x = torch.randn(2, 1, 128)
+            torch.testing.assert_close(compiled(x), m(x, inference_params=ips[0]), atol=1e-5, rtol=1e-5)
+            for ip in ips:
+                ip.lengths_per_sample += 1
+    torch.testing.assert_close(ips[1].key_value_memory_dict[0], ips[0].key_value_memory_dict[0])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", ["causal_rotary", "gqa_rotary"])
+def test_mha_decoding_gpu(case):
+    """bf16 decoding on the GPU against the float64 reference of the whole sequence, with the
+    tolerance rule's bound taken from the bf16 full forward."""
+    m = make_mha(case, layer_idx=0).cuda()
+    x = torch.randn(2, 300, 128, device="cuda")
+    ours_m = copy.deepcopy(m).to(torch.bfloat16)
+    ip = InferenceParams(max_seqlen=320, max_batch_size=2)
+    with torch.no_grad():
+        out = decode_all(ours_m, x.to(torch.bfloat16), 200, ip)
+        ref = mha_ref(m, x.double())
+        pt = mha_ref(ours_m, x.to(torch.bfloat16), upcast=False)
+    check_rule("out", out, ref, pt, torch.bfloat16)
 
 
 def test_mha_torch_compile_fullgraph_cpu():

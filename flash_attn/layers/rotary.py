@@ -90,7 +90,10 @@ class RotaryEmbedding(nn.Module):
         """qkv: (batch, seqlen, 3, nheads, headdim) with kv None, rotating q and k; or q (batch,
         seqlen, nheads, headdim) with kv (batch, seqlen_k, 2, nheads_k, headdim), rotating q and k.
         Packed (with cu_seqlens and max_seqlen): the same without the batch dim, self-attention
-        only. Returns qkv, or (q, kv)."""
+        only. seqlen_offset: an int or (batch,) per sequence, added to the positions; max_seqlen
+        without cu_seqlens: the tables cover at least that many positions (with per-sequence
+        offsets, all of them must fit, and finding their largest is then not needed). Returns qkv,
+        or (q, kv)."""
         seq_dim = 0 if cu_seqlens is not None else 1
         q = qkv.select(seq_dim + 1, 0) if kv is None else qkv
         k = qkv.select(seq_dim + 1, 1) if kv is None else kv.select(seq_dim + 1, 0)
@@ -102,8 +105,11 @@ class RotaryEmbedding(nn.Module):
             positions = max_seqlen
         else:
             positions = max(q.shape[1], k.shape[1])
-        extra = int(seqlen_offset.max()) if isinstance(seqlen_offset, torch.Tensor) else seqlen_offset
-        cos, sin = self.cos_sin(positions + extra, q.device)
+        if isinstance(seqlen_offset, torch.Tensor) and cu_seqlens is None and max_seqlen is not None:
+            positions = max(positions, max_seqlen)  # (per-sequence offsets within max_seqlen: no sync to find them)
+        else:
+            positions += int(seqlen_offset.max()) if isinstance(seqlen_offset, torch.Tensor) else seqlen_offset
+        cos, sin = self.cos_sin(positions, q.device)
         rope = dict(interleaved=self.interleaved, seqlen_offsets=seqlen_offset, cu_seqlens=cu_seqlens)
         q, k = apply_rotary_emb(q, cos, sin, **rope), apply_rotary_emb(k, cos, sin, **rope)
         if kv is None:

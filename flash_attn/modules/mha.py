@@ -13,6 +13,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ..interface import (flash_attn_kvpacked_func, flash_attn_qkvpacked_func, flash_attn_varlen_kvpacked_func,
                          flash_attn_varlen_qkvpacked_func)
+from ..kvcache import flash_attn_with_kvcache
 from ..layers.rotary import RotaryEmbedding
 
 
@@ -76,9 +77,16 @@ class MHA(nn.Module):
     x: (batch, seqlen, embed_dim), or (total, embed_dim) with cu_seqlens / max_seqlen (packed
     sequences). num_heads_kv < num_heads: GQA / MQA. key_padding_mask: (batch, seqlen) bool, True
     = a real token (padding keys are masked; padded query rows come out as out_proj's bias).
-    use_alibi adds ALiBi with the standard slopes. dwconv, mixer_subset and inference_params (KV
-    cache) are not supported; fused_bias_fc and use_flash_attn only select implementations in
-    flash-attn and change nothing here.
+    use_alibi adds ALiBi with the standard slopes.
+
+    inference_params (flash_attn.utils.generation.InferenceParams): incremental decoding. The new
+    tokens' keys and values are appended to this layer's cache (key_value_memory_dict[layer_idx],
+    allocated on first use; allocate_inference_cache makes one) at seqlen_offset, or
+    lengths_per_sample per sequence, rotary embeddings applied at those positions, and the queries
+    attend to everything cached (flash_attn_with_kvcache). A prompt is the same call at offset 0.
+
+    dwconv and mixer_subset are not supported; fused_bias_fc and use_flash_attn only select
+    implementations in flash-attn and change nothing here.
     """
 
     def __init__(self, embed_dim, num_heads, num_heads_kv=None, cross_attn=False, qkv_proj_bias=True,
@@ -119,6 +127,34 @@ class MHA(nn.Module):
                                                     alibi_slopes=alibi)
         self.out_proj = nn.Linear(embed_dim, embed_dim, bias=out_proj_bias, **factory)
 
+    def allocate_inference_cache(self, batch_size, max_seqlen, dtype=None):
+        """An empty KV cache for this layer: (batch_size, max_seqlen, 2, num_heads_kv, head_dim)."""
+        w = self.Wkv.weight if self.cross_attn else self.Wqkv.weight
+        return torch.empty(batch_size, max_seqlen, 2, self.num_heads_kv, self.head_dim, dtype=dtype or w.dtype,
+                           device=w.device)
+
+    def _decode(self, q, kv, inference_params):
+        """q (batch, seqlen, h, d) over this layer's cache after kv (batch, seqlen, 2, h_k, d) is
+        appended to it at the current offsets."""
+        if self.layer_idx is None:
+            raise ValueError("MHA: inference_params needs the layer's layer_idx (its cache's key)")
+        caches = inference_params.key_value_memory_dict
+        if self.layer_idx not in caches:
+            caches[self.layer_idx] = self.allocate_inference_cache(inference_params.max_batch_size,
+                                                                   inference_params.max_seqlen, kv.dtype)
+        start = inference_params.batch_size_offset
+        cache = caches[self.layer_idx][start:start + q.shape[0]]
+        if cache.dtype != q.dtype:
+            raise ValueError(f"MHA: the layer's KV cache is {cache.dtype} and its keys {q.dtype}; allocate the cache "
+                             "in the dtype the layer computes in")
+        lengths = inference_params.lengths_per_sample
+        offset = lengths if lengths is not None else inference_params.seqlen_offset
+        inner = self.inner_attn
+        slopes = None if inner.alibi_slopes is None else inner.alibi_slopes.float()
+        return flash_attn_with_kvcache(q, cache[:, :, 0], cache[:, :, 1], kv[:, :, 0], kv[:, :, 1],
+                                       cache_seqlens=offset, softmax_scale=inner.softmax_scale, causal=inner.causal,
+                                       window_size=inner.window_size, alibi_slopes=slopes)
+
     def _attend(self, fn, *args, **kwargs):
         if self.checkpointing and self.training:
             return checkpoint(fn, *args, use_reentrant=False, **kwargs)
@@ -126,8 +162,13 @@ class MHA(nn.Module):
 
     def forward(self, x, x_kv=None, key_padding_mask=None, cu_seqlens=None, max_seqlen=None, mixer_subset=None,
                 inference_params=None, **kwargs):
-        if mixer_subset is not None or inference_params is not None:
-            raise NotImplementedError("MHA: mixer_subset and inference_params (KV cache) are not supported")
+        if mixer_subset is not None:
+            raise NotImplementedError("MHA: mixer_subset is not supported")
+        if inference_params is not None:
+            if cu_seqlens is not None or key_padding_mask is not None:
+                raise ValueError("MHA: inference_params excludes cu_seqlens and key_padding_mask (sequences of "
+                                 "different lengths: lengths_per_sample)")
+            return self._forward_decoding(x, x_kv, inference_params)
         if cu_seqlens is not None and (max_seqlen is None or key_padding_mask is not None):
             raise ValueError("MHA: cu_seqlens needs max_seqlen and excludes key_padding_mask")
         if x_kv is not None and not self.cross_attn:
@@ -164,6 +205,26 @@ class MHA(nn.Module):
                 else:
                     out = self._attend(self._cross, q, kv, key_padding_mask)
         out = self.out_proj(out.reshape(*lead, self.embed_dim))
+        return (out, x) if self.return_residual else out
+
+    def _forward_decoding(self, x, x_kv, inference_params):
+        h, hk, d = self.num_heads, self.num_heads_kv, self.head_dim
+        if x_kv is not None and not self.cross_attn:
+            raise ValueError("MHA: x_kv is for cross_attn=True")
+        if self.cross_attn:
+            q = self.Wq(x).unflatten(-1, (h, d))
+            kv = self.Wkv(x if x_kv is None else x_kv).unflatten(-1, (2, hk, d))
+        else:
+            qkv = self.Wqkv(x)
+            q, kv = qkv[..., : h * d].unflatten(-1, (h, d)), qkv[..., h * d:].unflatten(-1, (2, hk, d))
+        if self.rotary_emb_dim > 0:
+            lengths, most = inference_params.lengths_per_sample, inference_params.max_seqlen
+            # (Clamped into the tables: positions past them only where the cache has no room, which
+            # flash_attn_with_kvcache then refuses.)
+            offset = (lengths.clamp(max=max(most - x.shape[1], 0)) if lengths is not None
+                      else inference_params.seqlen_offset)
+            q, kv = self.rotary_emb(q, kv, seqlen_offset=offset, max_seqlen=most)
+        out = self.out_proj(self._decode(q, kv, inference_params).reshape(*x.shape[:-1], self.embed_dim))
         return (out, x) if self.return_residual else out
 
     def _cross(self, q, kv, key_padding_mask):
