@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from flash_attn import flash_attn_func
-from flash_attn.layers import RotaryEmbedding, apply_rotary_emb
+from flash_attn.layers import (RotaryEmbedding, apply_rotary_emb, apply_rotary_emb_func, apply_rotary_emb_kv_,
+                               apply_rotary_emb_qkv_)
 from flash_attn.modules import MHA, FlashCrossAttention, FlashSelfAttention
 from flash_attn.modules.mha import get_alibi_slopes
 from flash_attn.utils.generation import InferenceParams
@@ -56,6 +57,34 @@ def test_rotary_matches_complex_reference(interleaved, rot):
     got = apply_rotary_emb(packed, cos, sin, interleaved, cu_seqlens=cu, max_seqlen=13).double()
     for s, e in zip(cu[:-1].tolist(), cu[1:].tolist()):
         torch.testing.assert_close(got[s:e], rope_ref(packed[None, s:e], rot, interleaved=interleaved)[0], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_rotary_packed_in_place_helpers(interleaved):
+    """apply_rotary_emb_qkv_ (3-way packed, and GQA-packed with num_heads_q, with separate k
+    tables) and apply_rotary_emb_kv_ rotate q and k in place, v untouched."""
+    cos, sin = RotaryEmbedding(16).cos_sin(20, "cpu")
+    qkv = torch.randn(2, 13, 3, 4, 32)
+    want = qkv.clone()
+    want[:, :, :2] = apply_rotary_emb(want[:, :, :2].flatten(2, 3), cos, sin, interleaved,
+                                      seqlen_offsets=3).unflatten(2, (2, 4))
+    assert apply_rotary_emb_qkv_(qkv, cos, sin, interleaved=interleaved, seqlen_offsets=3) is qkv
+    torch.testing.assert_close(qkv, want)
+    gqa = torch.randn(2, 13, 4 + 2 * 2, 32)
+    want = gqa.clone()
+    want[:, :, :4] = apply_rotary_emb(want[:, :, :4], cos, sin, interleaved)
+    want[:, :, 4:6] = apply_rotary_emb(want[:, :, 4:6], cos * 0.5, sin * 0.5, interleaved)
+    apply_rotary_emb_qkv_(gqa, cos, sin, cos * 0.5, sin * 0.5, interleaved=interleaved, num_heads_q=4)
+    torch.testing.assert_close(gqa, want)
+    kv = torch.randn(2, 13, 2, 2, 32)
+    want = kv.clone()
+    want[:, :, 0] = apply_rotary_emb(want[:, :, 0], cos, sin, interleaved)
+    torch.testing.assert_close(apply_rotary_emb_kv_(kv, cos, sin, interleaved), want)
+    assert apply_rotary_emb_func is apply_rotary_emb
+    with pytest.raises(ValueError, match="num_heads_q"):
+        apply_rotary_emb_qkv_(torch.randn(2, 13, 8, 32), cos, sin)
+    with pytest.raises(ValueError, match="kv must be"):
+        apply_rotary_emb_kv_(torch.randn(2, 13, 3, 2, 32), cos, sin)
 
 
 def test_rotary_tables_stay_float32_after_half():

@@ -59,6 +59,47 @@ def apply_rotary_emb(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inte
     return torch.cat((rotated, x[..., rot:]), dim=-1) if rot < x.shape[-1] else rotated
 
 
+apply_rotary_emb_func = apply_rotary_emb  # flash-attn 2.x's other name for it
+
+
+def apply_rotary_emb_qkv_(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                          cos_k: Optional[torch.Tensor] = None, sin_k: Optional[torch.Tensor] = None,
+                          interleaved: bool = False, seqlen_offsets: Union[int, torch.Tensor] = 0,
+                          num_heads_q: Optional[int] = None) -> torch.Tensor:
+    """Rotate q and k of a packed qkv in place and return it.
+
+    qkv: (batch, seqlen, 3, nheads, headdim), or (batch, seqlen, num_heads_q + 2 * nheads_k,
+    headdim) under GQA/MQA with num_heads_q given. cos, sin: (seqlen_ro, rotary_dim / 2) for q, and
+    for k unless cos_k, sin_k are given. interleaved and seqlen_offsets as in apply_rotary_emb.
+    """
+    cos_k = cos if cos_k is None else cos_k
+    sin_k = sin if sin_k is None else sin_k
+    rope = dict(interleaved=interleaved, inplace=True, seqlen_offsets=seqlen_offsets)
+    if qkv.dim() == 5:
+        if qkv.shape[2] != 3:
+            raise ValueError(f"apply_rotary_emb_qkv_: qkv must be (batch, seqlen, 3, nheads, headdim), got "
+                             f"{tuple(qkv.shape)}")
+        q, k = qkv[:, :, 0], qkv[:, :, 1]
+    else:
+        if num_heads_q is None or qkv.dim() != 4 or (qkv.shape[2] - num_heads_q) % 2 != 0:
+            raise ValueError(f"apply_rotary_emb_qkv_: a (batch, seqlen, num_heads_q + 2 * nheads_k, headdim) qkv "
+                             f"needs num_heads_q, got shape {tuple(qkv.shape)} and num_heads_q={num_heads_q}")
+        hk = (qkv.shape[2] - num_heads_q) // 2
+        q, k = qkv[:, :, :num_heads_q], qkv[:, :, num_heads_q:num_heads_q + hk]
+    apply_rotary_emb(q, cos, sin, **rope)
+    apply_rotary_emb(k, cos_k, sin_k, **rope)
+    return qkv
+
+
+def apply_rotary_emb_kv_(kv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False,
+                         seqlen_offsets: Union[int, torch.Tensor] = 0) -> torch.Tensor:
+    """Rotate k of a packed kv (batch, seqlen, 2, nheads_k, headdim) in place and return kv."""
+    if kv.dim() != 5 or kv.shape[2] != 2:
+        raise ValueError(f"apply_rotary_emb_kv_: kv must be (batch, seqlen, 2, nheads_k, headdim), got {tuple(kv.shape)}")
+    apply_rotary_emb(kv[:, :, 0], cos, sin, interleaved=interleaved, inplace=True, seqlen_offsets=seqlen_offsets)
+    return kv
+
+
 class RotaryEmbedding(nn.Module):
     """The cos/sin tables of RoPE for rotary_dim = dim features, applied to q and k (or a packed
     qkv). base: the frequency base; interleaved: GPT-J pairing. The tables are recomputed per call
