@@ -115,3 +115,14 @@ def test_torch_compile_blocksparse_forward_backward():
 
 def test_version():
     assert isinstance(flash_attn.__version__, str) and flash_attn.__version__.count(".") == 2
+
+
+def test_flash_attn_2x_module_paths():
+    """The import paths code written for flash-attn 2.x uses name the package's own objects."""
+    from flash_attn import flash_attn_interface
+    from flash_attn.bert_padding import pad_input, unpad_input  # noqa: F401
+    from flash_attn.layers.rotary import apply_rotary_emb_func  # noqa: F401
+    from flash_attn.modules.mha import MHA  # noqa: F401
+    from flash_attn.utils.generation import InferenceParams  # noqa: F401
+    for name in flash_attn_interface.__all__:
+        assert getattr(flash_attn_interface, name) is getattr(flash_attn, name)
