@@ -26,3 +26,13 @@ def test_example_runs(tmp_path, example, args, runs):
     assert all(len(r["losses"]) == int(args[3]) for r in record["results"])
     assert record["max_rel_loss_diff"] < 1e-3
     assert any(f.endswith(".png") for f in os.listdir(tmp_path))
+
+
+def test_decode_example_agrees_with_recomputation(tmp_path):
+    """examples/decode_kvcache.py at the CPU size: the cached decoding picks the tokens that
+    recomputing the whole prefix picks."""
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
+    subprocess.run([sys.executable, os.path.join(ROOT, "examples", "decode_kvcache.py"), "--out", str(tmp_path)],
+                   check=True, env=env, stdout=subprocess.PIPE)
+    record = json.load(open(tmp_path / "decode_tiny_cpu.json"))
+    assert record["token_agreement"] == 1.0 and record["first_step_max_logit_diff"] < 1e-4
