@@ -149,11 +149,10 @@ class MHA(nn.Module):
                              "in the dtype the layer computes in")
         lengths = inference_params.lengths_per_sample
         offset = lengths if lengths is not None else inference_params.seqlen_offset
-        inner = self.inner_attn
-        slopes = None if inner.alibi_slopes is None else inner.alibi_slopes.float()
+        kw = self.inner_attn._kwargs(None)  # (no dropout or backward when decoding)
+        del kw["dropout_p"], kw["deterministic"]
         return flash_attn_with_kvcache(q, cache[:, :, 0], cache[:, :, 1], kv[:, :, 0], kv[:, :, 1],
-                                       cache_seqlens=offset, softmax_scale=inner.softmax_scale, causal=inner.causal,
-                                       window_size=inner.window_size, alibi_slopes=slopes)
+                                       cache_seqlens=offset, **kw)
 
     def _attend(self, fn, *args, **kwargs):
         if self.checkpointing and self.training:
@@ -180,13 +179,11 @@ class MHA(nn.Module):
         if self.cross_attn:
             if packed:
                 raise NotImplementedError("MHA: cross_attn with cu_seqlens is not supported")
-            q = self.Wq(x).unflatten(-1, (h, d))
-            kv = self.Wkv(x if x_kv is None else x_kv).unflatten(-1, (2, hk, d))
+            q, kv = self._project(x, x_kv)
             out = self._attend(self._cross, q, kv, key_padding_mask)
         else:
-            qkv = self.Wqkv(x)
             if h == hk:
-                qkv = qkv.unflatten(-1, (3, h, d))
+                qkv = self.Wqkv(x).unflatten(-1, (3, h, d))
                 if self.rotary_emb_dim > 0:
                     qkv = self.rotary_emb(qkv, **varlen)
                 if key_padding_mask is not None:
@@ -194,7 +191,7 @@ class MHA(nn.Module):
                 else:
                     out = self._attend(self.inner_attn, qkv, **varlen)
             else:
-                q, kv = qkv[..., : h * d].unflatten(-1, (h, d)), qkv[..., h * d:].unflatten(-1, (2, hk, d))
+                q, kv = self._project(x)
                 if self.rotary_emb_dim > 0:
                     if packed:
                         raise NotImplementedError("MHA: rotary embeddings with GQA and cu_seqlens are not supported")
@@ -207,16 +204,19 @@ class MHA(nn.Module):
         out = self.out_proj(out.reshape(*lead, self.embed_dim))
         return (out, x) if self.return_residual else out
 
-    def _forward_decoding(self, x, x_kv, inference_params):
+    def _project(self, x, x_kv=None):
+        """q (..., h, d) and kv (..., 2, h_k, d): of x through Wqkv, or with cross_attn of x through
+        Wq and of x_kv (default x) through Wkv."""
         h, hk, d = self.num_heads, self.num_heads_kv, self.head_dim
+        if self.cross_attn:
+            return self.Wq(x).unflatten(-1, (h, d)), self.Wkv(x if x_kv is None else x_kv).unflatten(-1, (2, hk, d))
+        qkv = self.Wqkv(x)
+        return qkv[..., : h * d].unflatten(-1, (h, d)), qkv[..., h * d:].unflatten(-1, (2, hk, d))
+
+    def _forward_decoding(self, x, x_kv, inference_params):
         if x_kv is not None and not self.cross_attn:
             raise ValueError("MHA: x_kv is for cross_attn=True")
-        if self.cross_attn:
-            q = self.Wq(x).unflatten(-1, (h, d))
-            kv = self.Wkv(x if x_kv is None else x_kv).unflatten(-1, (2, hk, d))
-        else:
-            qkv = self.Wqkv(x)
-            q, kv = qkv[..., : h * d].unflatten(-1, (h, d)), qkv[..., h * d:].unflatten(-1, (2, hk, d))
+        q, kv = self._project(x, x_kv)
         if self.rotary_emb_dim > 0:
             lengths, most = inference_params.lengths_per_sample, inference_params.max_seqlen
             # (Clamped into the tables: positions past them only where the cache has no room, which
