@@ -19,6 +19,12 @@ def _window(window_size: Tuple[int, int]) -> Tuple[int, int]:
     return int(window_size[0]), int(window_size[1])
 
 
+def last_dim_contiguous(x):
+    """x with a unit stride in its last dim (the kernels' only layout rule), copied only when it
+    has not. flash-attn 2.x makes the same copy, so a transposed or strided head dim works there."""
+    return x if x is None or x.stride(-1) == 1 or x.shape[-1] <= 1 else x.contiguous()
+
+
 def _block_mask_tensors(block_mask, q, k) -> tuple:
     if block_mask is None:
         return ()
@@ -41,6 +47,7 @@ def _block_mask_tensors(block_mask, q, k) -> tuple:
 def _attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
                deterministic, return_attn_probs, block_mask=None, varlen=None, attn_bias=None):
     left, right = _window(window_size)
+    q, k, v = (last_dim_contiguous(x) for x in (q, k, v))
     out, softmax_lse, s_dmask, _ = ops.fwd(q, k, v, float(dropout_p), softmax_scale, bool(causal), left, right,
                                            bool(return_attn_probs), bool(deterministic),
                                            *_block_mask_tensors(block_mask, q, k), **(varlen or {}),

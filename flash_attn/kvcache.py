@@ -6,7 +6,7 @@ from typing import Optional, Union
 import torch
 
 from . import ops  # noqa: F401  (registers the ops and their fake kernels)
-from .interface import _window
+from .interface import _window, last_dim_contiguous
 from .layers.rotary import apply_rotary_emb
 
 
@@ -55,6 +55,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     if (rotary_cos is None) != (rotary_sin is None):
         raise ValueError("flash_attn_with_kvcache: rotary_cos and rotary_sin must be given together")
     left, right = _window(window_size)
+    q, k, v = (last_dim_contiguous(x) for x in (q, k, v))  # not the caches: the append writes into them
     batch = q.shape[0]
     cache_seqlens = _per_batch(cache_seqlens, batch, q.device)
     if rotary_cos is not None:

@@ -118,6 +118,24 @@ def test_non_contiguous_inputs():
     run_and_check(q, k, v, torch.float32, causal=True)
 
 
+def test_strided_head_dim_is_copied_as_flash_attn_2_does():
+    # A head dim with stride != 1 (a transposed or sliced view) runs on a contiguous copy: the same
+    # result and gradients as the contiguous call, the gradients shaped like the views.
+    b, s, h, d = 2, 70, 4, 32
+    q = torch.randn(b, s, h, 2 * d)[..., ::2].requires_grad_()
+    k = torch.randn(b, s, d, h).transpose(-1, -2).requires_grad_()
+    v = torch.randn(b, s, h, d, requires_grad=True)
+    assert q.stride(-1) == 2 and k.stride(-1) == h
+    out = flash_attn_func(q, k, v, causal=True)
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    dense = [x.detach().contiguous().requires_grad_() for x in (q, k, v)]
+    ref = flash_attn_func(*dense, causal=True)
+    assert torch.equal(out, ref)
+    for g, rg, x in zip(grads, torch.autograd.grad(ref, dense, dout), (q, k, v)):
+        assert g.shape == x.shape and torch.equal(g, rg)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_packed_variants_match_unpacked(dtype):
     b, s, h, d = 2, 67, 4, 32

@@ -246,6 +246,20 @@ def test_kvcache_errors(change, message):
         flash_attn_with_kvcache(**a)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_kvcache_strided_head_dim_of_new_tokens(device):
+    # q, k and v with a head-dim stride != 1 run on contiguous copies, as in flash-attn 2.x; the
+    # cache, written in place, keeps its own layout rule.
+    dtype = dtype_for(device)
+    q, k_cache, v_cache, k, v, seqlens, _, _ = make_case(device, dtype, sn=2)
+    q_t, k_t = (x.transpose(-1, -2).contiguous().transpose(-1, -2) for x in (q, k))
+    caches = [(k_cache.clone(), v_cache.clone()) for _ in range(2)]
+    out = flash_attn_with_kvcache(q_t, *caches[0], k_t, v, cache_seqlens=seqlens, causal=True)
+    ref = flash_attn_with_kvcache(q, *caches[1], k, v, cache_seqlens=seqlens, causal=True)
+    assert q_t.stride(-1) != 1 and torch.equal(out, ref)
+    torch.testing.assert_close(caches[0], caches[1], rtol=0, atol=0, equal_nan=True)
+
+
 def test_kvcache_opcheck():
     a = good()
     args = (a["q"], a["k_cache"], a["v_cache"], a["k"], a["v"], a["cache_seqlens"])

@@ -175,6 +175,10 @@ def test_varlen_non_contiguous_inputs(device):
     out = flash_attn_varlen_func(q, k, v, cu_q, cu_k, mq, mk)
     ref = flash_attn_varlen_func(q.contiguous(), k.contiguous(), v.contiguous(), cu_q, cu_k, mq, mk)
     assert torch.equal(out, ref)
+    # A strided head dim runs on a contiguous copy, as in flash-attn 2.x.
+    k_t = torch.randn(lk, 64, 2, dtype=dtype, device=device).transpose(1, 2)
+    assert torch.equal(flash_attn_varlen_func(q, k_t, v, cu_q, cu_k, mq, mk),
+                       flash_attn_varlen_func(q, k_t.contiguous(), v, cu_q, cu_k, mq, mk))
 
 
 @pytest.mark.parametrize("device", DEVICES)
