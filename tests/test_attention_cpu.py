@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from flash_attn import flash_attn_func, flash_attn_kvpacked_func, flash_attn_qkvpacked_func
-from reference import check_grads_against_reference, visible_mask
+from reference import attention_ref, check_grads_against_reference, visible_mask
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
@@ -134,6 +134,33 @@ def test_strided_head_dim_is_copied_as_flash_attn_2_does():
     assert torch.equal(out, ref)
     for g, rg, x in zip(grads, torch.autograd.grad(ref, dense, dout), (q, k, v)):
         assert g.shape == x.shape and torch.equal(g, rg)
+
+
+@pytest.mark.parametrize("sq, sk", [(1, 200), (150, 1), (1, 1)])
+def test_size_one_dims_with_any_stride(sq, sk):
+    # torch gives a size-1 dim any stride (here 1, below a row's length, or 0); the CPU GEMMs once
+    # passed it to BLAS as a leading dim, which BLAS refused, leaving the tile unwritten.
+    b, h, d = 2, 3, 40
+
+    def odd(s, n):
+        x = torch.randn(b, s, n, d)
+        stride = list(x.stride())
+        if s == 1:
+            stride[1] = 1
+        return x.as_strided(x.shape, stride).requires_grad_()
+
+    q, k, v = odd(sq, h), odd(sk, h), odd(sk, h)
+    out = flash_attn_func(q, k, v)
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    ref, _ = attention_ref(q, k, v)
+    tol = dict(rtol=1e-4, atol=1e-4)  # (float32 against float64; a tile left unwritten is off by O(1))
+    torch.testing.assert_close(out.double(), ref, **tol)
+    for g, rg in zip(grads, torch.autograd.grad(ref, (q, k, v), dout.double())):
+        torch.testing.assert_close(g.double(), rg.double(), **tol)
+    # A query broadcast along its rows (stride 0): rows that overlap in memory.
+    q0 = torch.randn(b, 1, h, d).expand(b, 5, h, d)
+    torch.testing.assert_close(flash_attn_func(q0, k, v).double(), attention_ref(q0, k, v)[0], **tol)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])

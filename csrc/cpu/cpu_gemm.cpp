@@ -2,6 +2,9 @@
 
 #include <ATen/ATen.h>
 
+#include <algorithm>
+#include <limits>
+
 // The Fortran BLAS entry point that PyTorch's CPU build exports (MKL on x86-64 wheels). Declared
 // weak so a torch build without it still loads; we then fall back to at::mm on views.
 extern "C" void sgemm_(const char* transa, const char* transb, const int* m, const int* n,
@@ -19,7 +22,17 @@ void gemm_rowmajor(bool trans_a, bool trans_b, int m, int n, int k, float alpha,
       for (int j = 0; j < n; ++j) c[i * ldc + j] = beta == 0.f ? 0.f : beta * c[i * ldc + j];
     return;
   }
-  if (sgemm_ != nullptr) {
+  // BLAS wants each leading dim >= the stored row length. A stored matrix of one row never steps
+  // by it, and torch gives size-1 dims any stride (1, 0, ...), so such a row's ld is moot: raise
+  // it. Rows that overlap (a broadcast stride of 0, say) or an ld past int go to at::addmm.
+  const int64_t a_rows = trans_a ? k : m, a_cols = trans_a ? m : k;
+  const int64_t b_rows = trans_b ? n : k, b_cols = trans_b ? k : n;
+  if (a_rows == 1) lda = std::max<int64_t>(lda, a_cols);
+  if (b_rows == 1) ldb = std::max<int64_t>(ldb, b_cols);
+  if (m == 1) ldc = std::max<int64_t>(ldc, n);
+  const bool blas_ok = lda >= a_cols && ldb >= b_cols && ldc >= n &&
+                       std::max({lda, ldb, ldc}) <= std::numeric_limits<int>::max();
+  if (sgemm_ != nullptr && blas_ok) {
     // Row-major C = op(A) op(B) is column-major C^T = op(B)^T op(A)^T: swap the operands.
     const char ta = trans_b ? 'T' : 'N', tb = trans_a ? 'T' : 'N';
     const int lda_i = int(ldb), ldb_i = int(lda), ldc_i = int(ldc);
