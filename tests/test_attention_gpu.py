@@ -1,7 +1,6 @@
 """CUDA kernels against a float64 reference (tolerance rule of DEVELOPERS.md), against the CPU
 implementation, and for determinism. Skipped without a GPU."""
 
-import math
 import os
 import subprocess
 import sys

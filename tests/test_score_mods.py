@@ -3,13 +3,12 @@ alone and combined with causal, windows, dropout, GQA, block masks and varlen, a
 reference under the tolerance rule; argument checks, opcheck and torch.compile. CPU always; CUDA
 (marked gpu) on a GPU."""
 
-import math
 
 import pytest
 import torch
 
 from flash_attn import BlockSparseMask, flash_attn_blocksparse_func, flash_attn_func, flash_attn_varlen_func
-from reference import alibi_bias, attention_ref, check_rule, poison_allocator, visible_mask
+from reference import attention_ref, check_rule, masked_scores, poison_allocator
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 CUDA_HEAD_DIMS = [32, 40, 64, 96, 128, 160, 192, 224, 256]
@@ -59,7 +58,7 @@ def check_mods(q, k, v, dropout_p=0.0, deterministic=False, **kw):
         assert grads[3].shape == bias.shape and grads[3].dtype == bias.dtype
 
     # softmax_lse: the reference's, -inf exactly where a row attends to nothing
-    ref_lse = torch.logsumexp(_ref_scores(q, k, **kw), dim=-1)
+    ref_lse = torch.logsumexp(masked_scores(q, k, **kw), dim=-1)
     assert torch.equal(torch.isneginf(lse.cpu()), torch.isneginf(ref_lse.cpu()))
     finite = torch.isfinite(ref_lse)
     torch.testing.assert_close(lse[finite].double(), ref_lse[finite], atol=2e-3 if dtype != torch.float32 else 1e-4,
@@ -67,24 +66,6 @@ def check_mods(q, k, v, dropout_p=0.0, deterministic=False, **kw):
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     assert torch.allclose(s_dmask.abs().double(), ref_probs, atol=tol)
     return out, lse, grads
-
-
-def _ref_scores(q, k, causal=False, window_size=(-1, -1), softmax_scale=None, attn_bias=None, alibi_slopes=None,
-                softcap=0.0):
-    """The masked float64 scores whose logsumexp softmax_lse must be."""
-    h, hk = q.shape[2], k.shape[2]
-    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    s = torch.einsum("bihd,bjhd->bhij", q.double() * scale, k.double().repeat_interleave(h // hk, 2))
-    if softcap > 0:
-        s = softcap * torch.tanh(s / softcap)
-    if alibi_slopes is not None:
-        s = s + alibi_bias(alibi_slopes, q.shape[1], k.shape[1], q.device)
-    ok = visible_mask(q.shape[1], k.shape[1], causal, window_size, q.device)
-    if attn_bias is not None and attn_bias.dtype == torch.bool:
-        ok = ok & attn_bias
-    elif attn_bias is not None:
-        s = s + attn_bias.double()
-    return s.masked_fill(~ok, float("-inf"))
 
 
 # Bias shapes: full, broadcast over batch / heads / query rows / keys, 2-D and 3-D.
