@@ -9,8 +9,9 @@ import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
-from transformers import AutoModel, AutoModelForCausalLM, BertConfig, GPT2Config  # noqa: E402
+from transformers import AutoModel, AutoModelForCausalLM, BertConfig, GPT2Config, LlamaConfig  # noqa: E402
 
+import flash_attn.integrations.transformers as integration  # noqa: E402
 from flash_attn.integrations.transformers import register  # noqa: E402
 from reference import EPS  # noqa: E402
 
@@ -65,6 +66,64 @@ def test_matches_eager_cpu(kind, padding):
             torch.testing.assert_close(a, b, atol=2e-4, rtol=1e-3)
 
 
+LM_CONFIGS = {
+    "gpt2": CONFIGS["gpt2"],
+    "llama": lambda: LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                                 num_key_value_heads=2, vocab_size=100),  # (rotary and GQA)
+}
+
+
+def packed(lengths):
+    """input_ids (1, total), position_ids restarting at each sequence, and transformers' flash
+    kwargs for them, as DataCollatorWithFlattening(return_flash_attn_kwargs=True) makes them."""
+    cu = torch.tensor([0] + lengths).cumsum(0).to(torch.int32)
+    ids = torch.randint(0, 100, (1, sum(lengths)))
+    positions = torch.cat([torch.arange(n) for n in lengths])[None]
+    return ids, positions, dict(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=max(lengths),
+                                max_length_k=max(lengths))
+
+
+@pytest.mark.parametrize("kind", list(LM_CONFIGS))
+@pytest.mark.parametrize("use_cache", [False, True])
+def test_packed_sequences_with_flash_kwargs(kind, use_cache, monkeypatch):
+    # Each packed sequence as if alone (eager on each one), through one varlen call per layer. With
+    # use_cache=True transformers builds no packed mask: the flash kwargs alone carry the packing.
+    lengths = [5, 1, 9, 3]
+    eager = AutoModelForCausalLM.from_config(LM_CONFIGS[kind](), attn_implementation="eager")
+    ours = AutoModelForCausalLM.from_config(LM_CONFIGS[kind](), attn_implementation=NAME)
+    ours.load_state_dict(eager.state_dict())
+    calls = []
+    varlen = integration.flash_attn_varlen_func
+    monkeypatch.setattr(integration, "flash_attn_varlen_func", lambda *a, **kw: calls.append(1) or varlen(*a, **kw))
+    ids, positions, flash_kwargs = packed(lengths)
+    weight = torch.randn(1, sum(lengths), 100)
+    logits = ours(input_ids=ids, position_ids=positions, use_cache=use_cache, **flash_kwargs).logits
+    grads = torch.autograd.grad((logits * weight).sum(), list(ours.parameters()))
+    assert len(calls) == 2  # one per layer
+    starts = [0] + torch.tensor(lengths).cumsum(0).tolist()
+    alone = [eager(input_ids=ids[:, a:b]).logits for a, b in zip(starts[:-1], starts[1:])]
+    ref = torch.cat(alone, dim=1)
+    ref_grads = torch.autograd.grad((ref * weight).sum(), list(eager.parameters()))
+    torch.testing.assert_close(logits, ref, atol=2e-5, rtol=1e-4)
+    for a, b in zip(grads, ref_grads):
+        torch.testing.assert_close(a, b, atol=2e-4, rtol=1e-3)
+
+
+def test_packed_training_step_compiles_fullgraph_cpu():
+    torch._dynamo.reset()
+    model = AutoModelForCausalLM.from_config(LM_CONFIGS["llama"](), attn_implementation=NAME)
+    ids, positions, flash_kwargs = packed([7, 4, 12])
+
+    def step(ids, positions):
+        logits = model(input_ids=ids, position_ids=positions, use_cache=False, **flash_kwargs).logits
+        return torch.nn.functional.cross_entropy(logits[0, :-1].float(), ids[0, 1:])
+
+    explanation = torch._dynamo.explain(step)(ids, positions)
+    assert explanation.graph_break_count == 0, explanation.break_reasons
+    loss = torch.compile(step, fullgraph=True, backend="aot_eager")(ids, positions)
+    torch.testing.assert_close(loss, step(ids, positions), atol=1e-5, rtol=1e-5)
+
+
 def test_register_rejects_flash_names():
     with pytest.raises(ValueError, match="flash"):
         register("flash_mine")
@@ -103,6 +162,27 @@ def test_bf16_tolerance_rule_gpu(kind, padding):
     err = (out.double() - ref)[real].abs().max().item()
     pt_err = (pt.double() - ref)[real].abs().max().item()
     assert err <= 2 * pt_err + EPS[torch.bfloat16] * ref[real].abs().max().item()
+
+
+@pytest.mark.gpu
+def test_packed_bf16_tolerance_rule_gpu():
+    eager = AutoModelForCausalLM.from_config(LM_CONFIGS["llama"](), attn_implementation="eager").cuda()
+    ours = AutoModelForCausalLM.from_config(LM_CONFIGS["llama"](), attn_implementation=NAME).cuda()
+    ours.load_state_dict(eager.state_dict())
+    lengths = [100, 37, 250, 1, 129]
+    ids, positions, flash_kwargs = packed(lengths)
+    ids, positions = ids.cuda(), positions.cuda()
+    flash_kwargs.update(cu_seq_lens_q=flash_kwargs["cu_seq_lens_q"].cuda(), cu_seq_lens_k=flash_kwargs["cu_seq_lens_k"].cuda())
+    starts = [0] + torch.tensor(lengths).cumsum(0).tolist()
+
+    def alone(model):
+        return torch.cat([model(input_ids=ids[:, a:b]).logits for a, b in zip(starts[:-1], starts[1:])], dim=1)
+
+    ref = alone(copy.deepcopy(eager).double())
+    pt = alone(eager.to(torch.bfloat16))
+    out = ours.to(torch.bfloat16)(input_ids=ids, position_ids=positions, use_cache=False, **flash_kwargs).logits
+    err, pt_err = (out.double() - ref).abs().max().item(), (pt.double() - ref).abs().max().item()
+    assert err <= 2 * pt_err + EPS[torch.bfloat16] * ref.abs().max().item()
 
 
 @pytest.mark.gpu

@@ -10,15 +10,18 @@ mask function hands the attention the 2-D padding mask (batch, kv_length), True 
 which becomes a (batch, 1, 1, kv_length) bool attn_bias (no N x N tensor) next to the causal
 flag; any other pattern (sliding windows, packed sequences, custom mask functions) comes as
 transformers' 4-D boolean mask and is passed as it is. Fully masked query rows (left padding in
-a causal model) give 0, where eager attention averages over the masked keys. transformers is an
-optional dependency: nothing here imports it before `register` is called.
+a causal model) give 0, where eager attention averages over the masked keys. Packed sequences
+with transformers' flash kwargs (cu_seq_lens_q / _k, max_length_q / _k, from
+DataCollatorWithFlattening(return_flash_attn_kwargs=True)) run as one varlen call, as in
+transformers' flash-attention path. transformers is an optional dependency: nothing here imports
+it before `register` is called.
 """
 
 from typing import Optional
 
 import torch
 
-from ..interface import flash_attn_func
+from ..interface import flash_attn_func, flash_attn_varlen_func
 
 # transformers routes every implementation name containing "flash" to its own flash-attention
 # loaders, so ours goes without the word.
@@ -33,18 +36,40 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     value (batch, kv_heads, kv_len, head_dim). Returns (out (batch, q_len, heads, head_dim), None)."""
     q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", False)
+    packing = [kwargs.get(name) for name in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")]
+    if all(x is not None for x in packing) and (attention_mask is None or attention_mask.dim() == 4):
+        return _packed_forward(q, k, v, *packing, dropout, scaling, bool(causal), sliding_window, softcap), None
     bias = None
     if attention_mask is not None:
         if attention_mask.dim() == 2:  # padding: True / 1 = a real key
             bias = attention_mask[:, -k.shape[1]:].bool()[:, None, None, :]
         else:  # the full pattern (bool True = attend, or additive), causality included
             bias, causal = attention_mask, False
-    window = (-1, -1)  # a 4-D mask holds any window already
-    if sliding_window is not None and (attention_mask is None or attention_mask.dim() == 2):
-        window = (sliding_window - 1, 0 if causal else sliding_window - 1)
+    # (A 4-D mask holds any window already.)
+    window = _window(sliding_window if attention_mask is None or attention_mask.dim() == 2 else None, causal)
     out = flash_attn_func(q, k, v, dropout_p=dropout, softmax_scale=scaling, causal=bool(causal), window_size=window,
                           softcap=softcap or 0.0, attn_bias=bias)
     return out, None
+
+
+def _window(sliding_window: Optional[int], causal: bool):
+    """transformers' sliding_window (the keys a query sees, itself included) as window_size."""
+    if sliding_window is None:
+        return (-1, -1)
+    return (sliding_window - 1, 0 if causal else sliding_window - 1)
+
+
+def _packed_forward(q, k, v, cu_q, cu_k, max_q, max_k, dropout, scaling, causal, sliding_window, softcap):
+    """Sequences packed into the rows of each batch entry, as the flash kwargs describe them
+    (DataCollatorWithFlattening(return_flash_attn_kwargs=True)): one varlen call, as transformers'
+    own flash-attention path makes, so no tile spans two sequences. The 4-D mask transformers also
+    built for them is not read: the offsets, the causal flag and sliding_window are the pattern."""
+    batch, seqlen = q.shape[:2]
+    window = _window(sliding_window, causal)
+    out = flash_attn_varlen_func(q.reshape(-1, *q.shape[2:]), k.reshape(-1, *k.shape[2:]), v.reshape(-1, *v.shape[2:]),
+                                 cu_q.to(torch.int32), cu_k.to(torch.int32), int(max_q), int(max_k), dropout_p=dropout,
+                                 softmax_scale=scaling, causal=causal, window_size=window, softcap=softcap or 0.0)
+    return out.view(batch, seqlen, *out.shape[1:])
 
 
 # Set by register() (imports inside traced functions would break torch.compile's graph).
