@@ -1,12 +1,80 @@
 """flash-attn 2.x's module path for its functions (code written as `from
 flash_attn.flash_attn_interface import flash_attn_func` runs unchanged): the same objects as the
-package's own (flash_attn.interface, flash_attn.kvcache)."""
+package's own (flash_attn.interface, flash_attn.kvcache).
 
+It also has flash-attn 2.7's private forward and backward entry points, which ring / context-
+parallel attention libraries call on one block of keys at a time: `_flash_attn_forward` returns
+the block's output and logsumexp, and `_flash_attn_backward` takes the merged output and
+logsumexp of every block and writes this block's share of the gradients into dq, dk, dv.
+"""
+
+from typing import Optional
+
+import torch
+
+from . import ops
 from .interface import (flash_attn_blocksparse_func, flash_attn_blocksparse_qkvpacked_func, flash_attn_func,
                         flash_attn_kvpacked_func, flash_attn_qkvpacked_func, flash_attn_varlen_func,
-                        flash_attn_varlen_kvpacked_func, flash_attn_varlen_qkvpacked_func)
+                        flash_attn_varlen_kvpacked_func, flash_attn_varlen_qkvpacked_func, last_dim_contiguous)
 from .kvcache import flash_attn_with_kvcache
 
 __all__ = ["flash_attn_blocksparse_func", "flash_attn_blocksparse_qkvpacked_func", "flash_attn_func",
            "flash_attn_kvpacked_func", "flash_attn_qkvpacked_func", "flash_attn_varlen_func",
            "flash_attn_varlen_kvpacked_func", "flash_attn_varlen_qkvpacked_func", "flash_attn_with_kvcache"]
+
+
+def _flash_attn_forward(q, k, v, dropout_p, softmax_scale, causal, window_size_left=-1, window_size_right=-1,
+                        softcap=0.0, alibi_slopes=None, return_softmax=False, **varlen):
+    """flash-attn 2.7's: (out, softmax_lse, S_dmask, rng_state), no autograd graph."""
+    q, k, v = (last_dim_contiguous(x) for x in (q, k, v))
+    with torch.no_grad():
+        return ops.fwd(q, k, v, float(dropout_p), softmax_scale, bool(causal), int(window_size_left),
+                       int(window_size_right), bool(return_softmax), False, alibi_slopes=alibi_slopes,
+                       softcap=float(softcap), **varlen)
+
+
+def _flash_attn_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p, softmax_scale, causal,
+                         window_size_left=-1, window_size_right=-1, softcap=0.0, alibi_slopes=None,
+                         deterministic=False, rng_state=None, **varlen):
+    """flash-attn 2.7's: the gradients into dq, dk, dv (each may be None); returns softmax_d, the
+    rows' sum of dout * out (batch, nheads, seqlen_q), float32 ((nheads, total_q) for varlen)."""
+    dout, q, k, v, out = (last_dim_contiguous(x) for x in (dout, q, k, v, out))
+    with torch.no_grad():
+        grads = ops.bwd(dout, q, k, v, out, softmax_lse, float(dropout_p), softmax_scale, bool(causal),
+                        int(window_size_left), int(window_size_right), bool(deterministic), rng_state,
+                        alibi_slopes=alibi_slopes, softcap=float(softcap), **varlen)
+        for dst, g in zip((dq, dk, dv), grads):
+            if dst is not None:
+                dst.copy_(g)
+        softmax_d = (dout.float() * out.float()).sum(-1)
+    return softmax_d.transpose(0, 1) if varlen else softmax_d.transpose(1, 2)
+
+
+def _varlen_args(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table=None, leftpad_k=None,
+                 seqused_k=None) -> dict:
+    if block_table is not None or leftpad_k is not None or seqused_k is not None:
+        raise NotImplementedError("flash_attn: block_table, leftpad_k and seqused_k are not supported by "
+                                  "_flash_attn_varlen_forward / _backward; pass None")
+    return dict(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=int(max_seqlen_q),
+                max_seqlen_k=int(max_seqlen_k))
+
+
+def _flash_attn_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+                               softmax_scale, causal, window_size_left=-1, window_size_right=-1, softcap=0.0,
+                               alibi_slopes=None, return_softmax=False, block_table: Optional[torch.Tensor] = None,
+                               leftpad_k=None, seqused_k=None, zero_tensors=False):
+    """flash-attn 2.7's varlen forward: (out, softmax_lse (nheads, total_q), S_dmask, rng_state)."""
+    return _flash_attn_forward(q, k, v, dropout_p, softmax_scale, causal, window_size_left, window_size_right,
+                               softcap, alibi_slopes, return_softmax,
+                               **_varlen_args(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table,
+                                              leftpad_k, seqused_k))
+
+
+def _flash_attn_varlen_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k,
+                                max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal, window_size_left=-1,
+                                window_size_right=-1, softcap=0.0, alibi_slopes=None, deterministic=False,
+                                rng_state=None, zero_tensors=False):
+    """flash-attn 2.7's varlen backward (see _flash_attn_backward)."""
+    return _flash_attn_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p, softmax_scale, causal,
+                                window_size_left, window_size_right, softcap, alibi_slopes, deterministic, rng_state,
+                                **_varlen_args(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k))

@@ -11,6 +11,7 @@ from . import _library  # noqa: F401  (registers the ops)
 
 fwd = torch.ops.flash_attn.fwd.default
 fwd_kvcache = torch.ops.flash_attn.fwd_kvcache.default
+bwd = torch.ops.flash_attn.bwd.default
 
 
 @torch.library.register_fake("flash_attn::fwd")

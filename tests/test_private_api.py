@@ -1,0 +1,79 @@
+"""flash-attn 2.7's private entry points (flash_attn.flash_attn_interface._flash_attn_forward /
+_backward and their varlen forms), as ring / context-parallel attention libraries use them: the
+keys split into blocks, each block's output and logsumexp merged, and each block's backward run
+with the merged output and logsumexp, against flash_attn_func on all the keys at once."""
+
+import pytest
+import torch
+
+from flash_attn import flash_attn_func, flash_attn_varlen_func
+from flash_attn.flash_attn_interface import (_flash_attn_backward, _flash_attn_forward, _flash_attn_varlen_backward,
+                                             _flash_attn_varlen_forward)
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+def merge(outs, lses):
+    """Blocks' outputs (b, s, h, d) and logsumexps (b, h, s) into those of all their keys."""
+    lse = torch.logsumexp(torch.stack(lses), dim=0)
+    out = sum(o.float() * torch.exp(l - lse).transpose(1, 2)[..., None] for o, l in zip(outs, lses))
+    return out, lse
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("causal", [False, True])
+def test_blockwise_forward_and_backward_equal_the_whole(device, causal):
+    # Causal with the query block last (its keys: every earlier block whole, then its own causally).
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    b, sq, h, hk, d, blocks = 2, 96, 4, 2, 64, 3
+    q = torch.randn(b, sq, h, d, dtype=dtype, device=device)
+    k, v = (torch.randn(b, blocks * sq, hk, d, dtype=dtype, device=device) for _ in range(2))
+    dout = torch.randn_like(q)
+    kb, vb = k.chunk(blocks, dim=1), v.chunk(blocks, dim=1)
+    outs, lses = [], []
+    for i in range(blocks):
+        last = causal and i == blocks - 1
+        out, lse, s_dmask, rng_state = _flash_attn_forward(q, kb[i], vb[i], 0.0, None, last)
+        assert out.grad_fn is None and lse.shape == (b, h, sq) and rng_state.shape == (2,)
+        outs.append(out)
+        lses.append(lse)
+    out, lse = merge(outs, lses)
+    out = out.to(dtype)
+
+    qr, kr, vr = (x.clone().requires_grad_() for x in (q, k, v))
+    ref, ref_lse, _ = flash_attn_func(qr, kr, vr, causal=causal, return_attn_probs=True)
+    ref_grads = torch.autograd.grad(ref, (qr, kr, vr), dout)
+    tol = dict(rtol=1e-4, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(out, ref, **tol)
+    torch.testing.assert_close(lse, ref_lse, **tol)
+
+    dq = torch.zeros_like(q)
+    dk, dv = torch.empty_like(k), torch.empty_like(v)
+    for i in range(blocks):
+        dq_i = torch.empty_like(q)
+        softmax_d = _flash_attn_backward(dout, q, kb[i], vb[i], out, lse, dq_i, dk[:, i * sq:(i + 1) * sq],
+                                         dv[:, i * sq:(i + 1) * sq], 0.0, None, causal and i == blocks - 1)
+        dq += dq_i
+    torch.testing.assert_close(softmax_d, (dout.float() * out.float()).sum(-1).transpose(1, 2))
+    for name, g, rg in zip(("dq", "dk", "dv"), (dq, dk, dv), ref_grads):
+        torch.testing.assert_close(g, rg, **tol, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_varlen_forms(device):
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    lengths = [5, 0, 70, 33]
+    cu = torch.tensor([0] + lengths, device=device).cumsum(0).to(torch.int32)
+    q, k, v = (torch.randn(sum(lengths), 4, 32, dtype=dtype, device=device) for _ in range(3))
+    out, lse, _, rng_state = _flash_attn_varlen_forward(q, k, v, cu, cu, 70, 70, 0.0, None, True)
+    qr, kr, vr = (x.clone().requires_grad_() for x in (q, k, v))
+    ref, ref_lse, _ = flash_attn_varlen_func(qr, kr, vr, cu, cu, 70, 70, causal=True, return_attn_probs=True)
+    assert torch.equal(out, ref.detach()) and torch.equal(lse, ref_lse) and lse.shape == (4, sum(lengths))
+    dout = torch.randn_like(out)
+    grads = [torch.empty_like(x) for x in (q, k, v)]
+    softmax_d = _flash_attn_varlen_backward(dout, q, k, v, out, lse, *grads, cu, cu, 70, 70, 0.0, None, True)
+    for g, rg in zip(grads, torch.autograd.grad(ref, (qr, kr, vr), dout)):
+        assert torch.equal(g, rg)
+    assert softmax_d.shape == (4, sum(lengths))
+    with pytest.raises(NotImplementedError, match="seqused_k"):
+        _flash_attn_varlen_forward(q, k, v, cu, cu, 70, 70, 0.0, None, True, seqused_k=cu[1:])
