@@ -124,6 +124,41 @@ def test_packed_training_step_compiles_fullgraph_cpu():
     torch.testing.assert_close(loss, step(ids, positions), atol=1e-5, rtol=1e-5)
 
 
+def test_transformers_own_flash_attention_2_path_runs_on_ours(monkeypatch):
+    # transformers' flash_attention_2 code (unpadding, sliding window + softcap, packing read from
+    # position_ids) imports flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache,
+    # pad_input and unpad_input from the installed flash_attn: with ours it runs unchanged. (It
+    # selects that path only for a flash_attn of version >= 2.3.3, hence the patched check.)
+    fau = pytest.importorskip("transformers.modeling_flash_attention_utils")
+    if not all(hasattr(fau, name) for name in ("_flash_attention_forward", "is_flash_attn_2_available",
+                                               "_loaded_implementation")):
+        pytest.skip("transformers' flash-attention internals have moved")
+    for name in ("_loaded_implementation", "_flash_fn", "_flash_varlen_fn", "_flash_with_kvcache_fn", "_pad_fn",
+                 "_unpad_fn", "_process_flash_kwargs_fn", "_process_with_kvcache_kwargs_fn"):
+        monkeypatch.setattr(fau, name, getattr(fau, name, None))  # restored afterwards
+    monkeypatch.setattr(fau, "is_flash_attn_2_available", lambda *args, **kwargs: True)
+    from flash_attn import flash_attn_func
+
+    def hf(q, k, v, mask, **kw):
+        return fau._flash_attention_forward(q, k, v, mask, q.shape[1], is_causal=True,
+                                            attn_implementation="flash_attention_2", **kw)
+
+    b, s, h, d = 2, 17, 4, 16
+    q, k, v = (torch.randn(b, s, h, d) for _ in range(3))
+    mask = torch.ones(b, s, dtype=torch.long)
+    mask[1, 11:] = 0
+    out = hf(q, k, v, mask)
+    ref = flash_attn_func(q, k, v, causal=True, attn_bias=mask.bool()[:, None, None, :])
+    torch.testing.assert_close(out[mask.bool()], ref[mask.bool()], atol=1e-6, rtol=1e-5)
+    assert (out[1, 11:] == 0).all()
+    torch.testing.assert_close(hf(q, k, v, None, sliding_window=5, softcap=3.0),
+                               flash_attn_func(q, k, v, causal=True, window_size=(4, 0), softcap=3.0))
+    positions = torch.cat([torch.arange(9), torch.arange(8)])[None]
+    one = [x[:1] for x in (q, k, v)]
+    alone = [flash_attn_func(*(x[:, a:e] for x in one), causal=True) for a, e in ((0, 9), (9, 17))]
+    torch.testing.assert_close(hf(*one, None, position_ids=positions), torch.cat(alone, dim=1))
+
+
 def test_register_rejects_flash_names():
     with pytest.raises(ValueError, match="flash"):
         register("flash_mine")
