@@ -131,7 +131,7 @@ class RotaryEmbedding(nn.Module):
         """qkv: (batch, seqlen, 3, nheads, headdim) with kv None, rotating q and k; or q (batch,
         seqlen, nheads, headdim) with kv (batch, seqlen_k, 2, nheads_k, headdim), rotating q and k.
         Packed (with cu_seqlens and max_seqlen): the same without the batch dim, self-attention
-        only. seqlen_offset: an int or (batch,) per sequence, added to the positions; max_seqlen
+        only (q and kv the same sequences). seqlen_offset: an int or (batch,) per sequence, added to the positions; max_seqlen
         without cu_seqlens: the tables cover at least that many positions (with per-sequence
         offsets, all of them must fit, and finding their largest is then not needed). Returns qkv,
         or (q, kv)."""
@@ -139,8 +139,9 @@ class RotaryEmbedding(nn.Module):
         q = qkv.select(seq_dim + 1, 0) if kv is None else qkv
         k = qkv.select(seq_dim + 1, 1) if kv is None else kv.select(seq_dim + 1, 0)
         if cu_seqlens is not None:
-            if kv is not None:
-                raise ValueError("RotaryEmbedding: cu_seqlens is for a packed qkv (self-attention) only")
+            if kv is not None and kv.shape[0] != q.shape[0]:
+                raise ValueError(f"RotaryEmbedding: with cu_seqlens, q and kv are the same packed sequences "
+                                 f"(self-attention), got {q.shape[0]} and {kv.shape[0]} rows")
             if max_seqlen is None:
                 raise ValueError("RotaryEmbedding: cu_seqlens needs max_seqlen")
             positions = max_seqlen

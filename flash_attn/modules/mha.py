@@ -193,9 +193,7 @@ class MHA(nn.Module):
             else:
                 q, kv = self._project(x)
                 if self.rotary_emb_dim > 0:
-                    if packed:
-                        raise NotImplementedError("MHA: rotary embeddings with GQA and cu_seqlens are not supported")
-                    q, kv = self.rotary_emb(q, kv)
+                    q, kv = self.rotary_emb(q, kv, **varlen)
                 if packed:
                     out = self._attend(self.inner_cross_attn, q, kv, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
                                        cu_seqlens_k=cu_seqlens, max_seqlen_k=max_seqlen)
