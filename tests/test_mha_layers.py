@@ -135,8 +135,8 @@ def mha_ref(m: MHA, x, x_kv=None, key_padding_mask=None, upcast=True):
         q, k, v = qkv[..., : h * d], qkv[..., h * d: (h + hk) * d], qkv[..., (h + hk) * d:]
         q, k, v = q.unflatten(-1, (h, d)), k.unflatten(-1, (hk, d)), v.unflatten(-1, (hk, d))
     if m.rotary_emb_dim:
-        rot, inter = m.rotary_emb_dim, m.rotary_emb.interleaved
-        q, k = rope_ref(q, rot, interleaved=inter).to(dt), rope_ref(k, rot, interleaved=inter).to(dt)
+        rope = dict(rot=m.rotary_emb_dim, base=m.rotary_emb.base, interleaved=m.rotary_emb.interleaved)
+        q, k = rope_ref(q, **rope).to(dt), rope_ref(k, **rope).to(dt)
     inner = m.inner_attn
     bias = None if key_padding_mask is None else key_padding_mask[:, None, None, :]
     out, _ = attention_ref(q, k, v, causal=inner.causal, window_size=inner.window_size, upcast=upcast,
