@@ -94,6 +94,29 @@ def test_rotary_tables_stay_float32_after_half():
     torch.testing.assert_close(cos.double(), torch.cos(angle), atol=2e-3, rtol=0)
 
 
+def test_rotary_module_takes_flash_attn_forms():
+    """RotaryEmbedding.forward in flash-attn's argument order (qkv, kv, seqlen_offset, max_seqlen,
+    num_heads_q): a GQA-packed qkv (num_heads_q + 2 * nheads_k heads) rotates as q with its kv,
+    padded or packed; pos_idx_in_fp32=False computes the angles in the buffer's dtype."""
+    rope = RotaryEmbedding(16, interleaved=True)
+    q, kv = torch.randn(2, 13, 4, 32), torch.randn(2, 13, 2, 2, 32)
+    want_q, want_kv = rope(q, kv, 3)
+    got = rope(torch.cat((q, kv[:, :, 0], kv[:, :, 1]), dim=2), None, 3, None, 4)
+    torch.testing.assert_close(got, torch.cat((want_q, want_kv[:, :, 0], want_kv[:, :, 1]), dim=2))
+    cu = torch.tensor([0, 13, 26], dtype=torch.int32)
+    packed = rope(torch.cat((q, kv[:, :, 0], kv[:, :, 1]), dim=2).flatten(0, 1), num_heads_q=4, cu_seqlens=cu,
+                  max_seqlen=13)
+    plain_q, plain_kv = rope(q, kv)
+    torch.testing.assert_close(packed, torch.cat((plain_q, plain_kv.flatten(2, 3)), dim=2).flatten(0, 1))
+    with pytest.raises(ValueError, match="num_heads_q"):
+        rope(torch.randn(2, 13, 7, 32), num_heads_q=4)
+    half = RotaryEmbedding(32, pos_idx_in_fp32=False).half()
+    cos, _ = half.cos_sin(4096, "cpu")
+    angle = torch.outer(torch.arange(4096, dtype=torch.float16), half.inv_freq).float()
+    torch.testing.assert_close(cos, torch.cos(angle))
+    assert (cos - RotaryEmbedding(32).half().cos_sin(4096, "cpu")[0]).abs().max() > 0.1  # (why the default is fp32)
+
+
 def test_rotary_errors():
     with pytest.raises(ValueError, match="even"):
         RotaryEmbedding(7)

@@ -102,42 +102,61 @@ def apply_rotary_emb_kv_(kv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
 
 class RotaryEmbedding(nn.Module):
     """The cos/sin tables of RoPE for rotary_dim = dim features, applied to q and k (or a packed
-    qkv). base: the frequency base; interleaved: GPT-J pairing. The tables are recomputed per call
+    qkv). base: the frequency base; interleaved: GPT-J pairing. pos_idx_in_fp32=False computes the
+    angles in the inv_freq buffer's dtype (after .half(): float16), as flash-attn does for models
+    trained that way; the default computes them in float32. The tables are recomputed per call
     (seqlen x dim / 2 values; under torch.compile they fuse with their use)."""
 
     def __init__(self, dim: int, base: float = 10000.0, interleaved: bool = False,
-                 scale_base: Optional[float] = None, device=None):
+                 scale_base: Optional[float] = None, pos_idx_in_fp32: bool = True, device=None):
         super().__init__()
         if dim % 2 != 0:
             raise ValueError(f"RotaryEmbedding: dim must be even, got {dim}")
         if scale_base is not None:
             raise NotImplementedError("RotaryEmbedding: scale_base (XPos) is not supported yet; pass None")
         self.dim, self.base, self.interleaved = dim, float(base), interleaved
+        self.pos_idx_in_fp32 = pos_idx_in_fp32
         self.register_buffer("inv_freq", self._inv_freq(device), persistent=False)
 
     def _inv_freq(self, device) -> torch.Tensor:
         return 1.0 / (self.base ** (torch.arange(0, self.dim, 2, device=device, dtype=torch.float32) / self.dim))
 
     def cos_sin(self, seqlen: int, device) -> Tuple[torch.Tensor, torch.Tensor]:
-        """(seqlen, dim / 2) float32 tables for positions 0 .. seqlen - 1. The frequencies are
-        recomputed in float32 (the inv_freq buffer follows a module's .to(dtype), and in 16 bits
-        the angles of late positions would be off by tenths of a radian)."""
-        freqs = torch.outer(torch.arange(seqlen, device=device, dtype=torch.float32), self._inv_freq(device))
+        """(seqlen, dim / 2) float32 tables for positions 0 .. seqlen - 1. With pos_idx_in_fp32 the
+        frequencies are recomputed in float32 (the inv_freq buffer follows a module's .to(dtype),
+        and in 16 bits the angles of late positions would be off by tenths of a radian)."""
+        if self.pos_idx_in_fp32:
+            inv_freq = self._inv_freq(device)
+        else:
+            inv_freq = self.inv_freq.to(device)
+        freqs = torch.outer(torch.arange(seqlen, device=device, dtype=inv_freq.dtype), inv_freq).float()
         return torch.cos(freqs), torch.sin(freqs)
 
     def forward(self, qkv: torch.Tensor, kv: Optional[torch.Tensor] = None,
-                seqlen_offset: Union[int, torch.Tensor] = 0, cu_seqlens: Optional[torch.Tensor] = None,
-                max_seqlen: Optional[int] = None) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
-        """qkv: (batch, seqlen, 3, nheads, headdim) with kv None, rotating q and k; or q (batch,
-        seqlen, nheads, headdim) with kv (batch, seqlen_k, 2, nheads_k, headdim), rotating q and k.
-        Packed (with cu_seqlens and max_seqlen): the same without the batch dim, self-attention
-        only (q and kv the same sequences). seqlen_offset: an int or (batch,) per sequence, added to the positions; max_seqlen
-        without cu_seqlens: the tables cover at least that many positions (with per-sequence
-        offsets, all of them must fit, and finding their largest is then not needed). Returns qkv,
-        or (q, kv)."""
+                seqlen_offset: Union[int, torch.Tensor] = 0, max_seqlen: Optional[int] = None,
+                num_heads_q: Optional[int] = None, cu_seqlens: Optional[torch.Tensor] = None
+                ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
+        """flash-attn's arguments, in its order, then cu_seqlens. Rotates q and k of:
+        qkv (batch, seqlen, 3, nheads, headdim), or (batch, seqlen, num_heads_q + 2 * nheads_k,
+        headdim) with num_heads_q (GQA / MQA); or, with kv, q = qkv (batch, seqlen, nheads,
+        headdim) and kv (batch, seqlen_k, 2, nheads_k, headdim). Packed (with cu_seqlens and
+        max_seqlen): the same without the batch dim, self-attention only (q and kv the same
+        sequences). seqlen_offset: an int or (batch,) per sequence, added to the positions;
+        max_seqlen without cu_seqlens: the tables cover at least that many positions (with
+        per-sequence offsets, all of them must fit, and finding their largest is then not needed).
+        Returns qkv, or (q, kv)."""
         seq_dim = 0 if cu_seqlens is not None else 1
-        q = qkv.select(seq_dim + 1, 0) if kv is None else qkv
-        k = qkv.select(seq_dim + 1, 1) if kv is None else kv.select(seq_dim + 1, 0)
+        heads_dim = seq_dim + 1
+        if kv is not None:
+            q, k = qkv, kv.select(heads_dim, 0)
+        elif num_heads_q is not None:
+            hk = (qkv.shape[heads_dim] - num_heads_q) // 2
+            if qkv.dim() != seq_dim + 3 or hk < 1 or qkv.shape[heads_dim] != num_heads_q + 2 * hk:
+                raise ValueError(f"RotaryEmbedding: with num_heads_q={num_heads_q}, qkv must have num_heads_q + 2 * "
+                                 f"nheads_k heads, got shape {tuple(qkv.shape)}")
+            q, k, v = qkv.split([num_heads_q, hk, hk], dim=heads_dim)
+        else:
+            q, k = qkv.select(heads_dim, 0), qkv.select(heads_dim, 1)
         if cu_seqlens is not None:
             if kv is not None and kv.shape[0] != q.shape[0]:
                 raise ValueError(f"RotaryEmbedding: with cu_seqlens, q and kv are the same packed sequences "
@@ -154,6 +173,8 @@ class RotaryEmbedding(nn.Module):
         cos, sin = self.cos_sin(positions, q.device)
         rope = dict(interleaved=self.interleaved, seqlen_offsets=seqlen_offset, cu_seqlens=cu_seqlens)
         q, k = apply_rotary_emb(q, cos, sin, **rope), apply_rotary_emb(k, cos, sin, **rope)
-        if kv is None:
-            return torch.stack((q, k, qkv.select(seq_dim + 1, 2)), dim=seq_dim + 1)
-        return q, torch.stack((k, kv.select(seq_dim + 1, 1)), dim=seq_dim + 1)
+        if kv is not None:
+            return q, torch.stack((k, kv.select(heads_dim, 1)), dim=heads_dim)
+        if num_heads_q is not None:
+            return torch.cat((q, k, v), dim=heads_dim)
+        return torch.stack((q, k, qkv.select(heads_dim, 2)), dim=heads_dim)
