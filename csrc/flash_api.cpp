@@ -868,7 +868,7 @@ TORCH_LIBRARY(flash_attn, m) {
       "fwd(Tensor q, Tensor k, Tensor v, float dropout_p=0., float? softmax_scale=None, bool causal=False, "
       "int window_size_left=-1, int window_size_right=-1, bool return_softmax=False, bool deterministic=False, "
       "Tensor? block_layout=None, Tensor? q_block_lists=None, Tensor? k_block_lists=None, "
-      "Tensor? cu_seqlens_q=None, Tensor? cu_seqlens_k=None, int max_seqlen_q=0, int max_seqlen_k=0, "
+      "Tensor? cu_seqlens_q=None, Tensor? cu_seqlens_k=None, SymInt max_seqlen_q=0, SymInt max_seqlen_k=0, "
       "Tensor? attn_bias=None, Tensor? alibi_slopes=None, float softcap=0.) "
       "-> (Tensor out, Tensor softmax_lse, Tensor S_dmask, Tensor rng_state)",
       {at::Tag::nondeterministic_seeded});
@@ -876,8 +876,8 @@ TORCH_LIBRARY(flash_attn, m) {
       "bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor softmax_lse, float dropout_p=0., "
       "float? softmax_scale=None, bool causal=False, int window_size_left=-1, int window_size_right=-1, "
       "bool deterministic=False, Tensor? rng_state=None, Tensor? block_layout=None, Tensor? q_block_lists=None, "
-      "Tensor? k_block_lists=None, Tensor? cu_seqlens_q=None, Tensor? cu_seqlens_k=None, int max_seqlen_q=0, "
-      "int max_seqlen_k=0, Tensor? attn_bias=None, Tensor? alibi_slopes=None, float softcap=0., "
+      "Tensor? k_block_lists=None, Tensor? cu_seqlens_q=None, Tensor? cu_seqlens_k=None, SymInt max_seqlen_q=0, "
+      "SymInt max_seqlen_k=0, Tensor? attn_bias=None, Tensor? alibi_slopes=None, float softcap=0., "
       "bool bias_requires_grad=False) -> (Tensor dq, Tensor dk, Tensor dv, Tensor dbias)");
 }
 

@@ -21,13 +21,13 @@ using OptTensor = std::optional<at::Tensor>;
 using FwdResult = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
 using FwdSig = FwdResult(const at::Tensor&, const at::Tensor&, const at::Tensor&, double, std::optional<double>, bool,
                          int64_t, int64_t, bool, bool, const OptTensor&, const OptTensor&, const OptTensor&,
-                         const OptTensor&, const OptTensor&, int64_t, int64_t, const OptTensor&, const OptTensor&,
-                         double);
+                         const OptTensor&, const OptTensor&, c10::SymInt, c10::SymInt, const OptTensor&,
+                         const OptTensor&, double);
 using BwdSig = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>(
     const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
     double, std::optional<double>, bool, int64_t, int64_t, bool, const OptTensor&, const OptTensor&, const OptTensor&,
-    const OptTensor&, const OptTensor&, const OptTensor&, int64_t, int64_t, const OptTensor&, const OptTensor&, double,
-    bool);
+    const OptTensor&, const OptTensor&, const OptTensor&, c10::SymInt, c10::SymInt, const OptTensor&, const OptTensor&,
+    double, bool);
 
 template <typename Sig>
 c10::TypedOperatorHandle<Sig> op_handle(const char* name) {
@@ -43,7 +43,7 @@ class FlashAttnFunction : public torch::autograd::Function<FlashAttnFunction> {
                                int64_t window_left, int64_t window_right, bool return_softmax, bool deterministic,
                                const OptTensor& block_layout, const OptTensor& q_block_lists,
                                const OptTensor& k_block_lists, const OptTensor& cu_seqlens_q,
-                               const OptTensor& cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k,
+                               const OptTensor& cu_seqlens_k, c10::SymInt max_seqlen_q, c10::SymInt max_seqlen_k,
                                const OptTensor& attn_bias, const OptTensor& alibi_slopes, double softcap) {
     static const auto fwd = op_handle<FwdSig>("flash_attn::fwd");
     at::AutoDispatchBelowADInplaceOrView below_autograd;
@@ -97,8 +97,8 @@ class FlashAttnFunction : public torch::autograd::Function<FlashAttnFunction> {
                                  softmax_scale, d.at("causal").toBool(), d.at("window_left").toInt(),
                                  d.at("window_right").toInt(), d.at("deterministic").toBool(), saved[5],
                                  optional_of(saved[6]), optional_of(saved[7]), optional_of(saved[8]),
-                                 optional_of(saved[9]), optional_of(saved[10]), d.at("max_seqlen_q").toInt(),
-                                 d.at("max_seqlen_k").toInt(), optional_of(bias), optional_of(saved[12]),
+                                 optional_of(saved[9]), optional_of(saved[10]), d.at("max_seqlen_q").toSymInt(),
+                                 d.at("max_seqlen_k").toSymInt(), optional_of(bias), optional_of(saved[12]),
                                  d.at("softcap").toDouble(), bias_grad);
     result[0] = dq;
     result[1] = dk;
@@ -112,7 +112,7 @@ FwdResult fwd_autograd(const at::Tensor& q, const at::Tensor& k, const at::Tenso
                        std::optional<double> softmax_scale, bool causal, int64_t window_left, int64_t window_right,
                        bool return_softmax, bool deterministic, const OptTensor& block_layout,
                        const OptTensor& q_block_lists, const OptTensor& k_block_lists, const OptTensor& cu_seqlens_q,
-                       const OptTensor& cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k,
+                       const OptTensor& cu_seqlens_k, c10::SymInt max_seqlen_q, c10::SymInt max_seqlen_k,
                        const OptTensor& attn_bias, const OptTensor& alibi_slopes, double softcap) {
   const variable_list r =
       FlashAttnFunction::apply(q, k, v, dropout_p, softmax_scale, causal, window_left, window_right, return_softmax,

@@ -15,7 +15,8 @@ import torch
 from . import ops
 from .interface import (flash_attn_blocksparse_func, flash_attn_blocksparse_qkvpacked_func, flash_attn_func,
                         flash_attn_kvpacked_func, flash_attn_qkvpacked_func, flash_attn_varlen_func,
-                        flash_attn_varlen_kvpacked_func, flash_attn_varlen_qkvpacked_func, last_dim_contiguous)
+                        flash_attn_varlen_kvpacked_func, flash_attn_varlen_qkvpacked_func, last_dim_contiguous,
+                        max_length)
 from .kvcache import flash_attn_with_kvcache
 
 __all__ = ["flash_attn_blocksparse_func", "flash_attn_blocksparse_qkvpacked_func", "flash_attn_func",
@@ -55,8 +56,8 @@ def _varlen_args(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_t
     if block_table is not None or leftpad_k is not None or seqused_k is not None:
         raise NotImplementedError("flash_attn: block_table, leftpad_k and seqused_k are not supported by "
                                   "_flash_attn_varlen_forward / _backward; pass None")
-    return dict(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=int(max_seqlen_q),
-                max_seqlen_k=int(max_seqlen_k))
+    return dict(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_length(max_seqlen_q),
+                max_seqlen_k=max_length(max_seqlen_k))
 
 
 def _flash_attn_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,

@@ -55,11 +55,17 @@ def _attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, 
     return (out, softmax_lse, s_dmask) if return_attn_probs else out
 
 
+def max_length(n):
+    """A max_seqlen as the ops take it: an int, or under torch.compile a symbolic one left so (the
+    ops' schema says SymInt), so that a new longest sequence does not recompile the graph."""
+    return n if isinstance(n, torch.SymInt) else int(n)
+
+
 def _varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table=None) -> dict:
     if block_table is not None:
         raise NotImplementedError("flash_attn: block_table (paged KV cache) is not supported yet (pass block_table=None)")
-    return dict(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=int(max_seqlen_q),
-                max_seqlen_k=int(max_seqlen_k))
+    return dict(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_length(max_seqlen_q),
+                max_seqlen_k=max_length(max_seqlen_k))
 
 
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),

@@ -291,6 +291,30 @@ def test_varlen_compile_fullgraph():
     assert x.grad is not None and torch.isfinite(x.grad).all()
 
 
+def test_varlen_compile_does_not_recompile_for_each_longest_length():
+    # max_seqlen is a SymInt in the ops' schema: batches whose longest sequence differs (every
+    # step of a varlen training loop) share one graph once dynamo has seen two of them.
+    torch._dynamo.reset()
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    model = PackedSelfAttention()
+    compiled = torch.compile(model, fullgraph=True, backend=backend)
+    for lengths in ([5, 0, 9], [7, 20, 3], [30, 1, 2], [3, 4, 11], [16, 16, 2]):
+        lengths = torch.tensor(lengths)
+        x = torch.randn(int(lengths.sum()), 32, requires_grad=True)
+        out = compiled(x, lengths, int(lengths.max()))
+        grad = torch.autograd.grad(out.sum(), x)[0]
+        x_eager = x.detach().requires_grad_()
+        eager = model(x_eager, lengths, int(lengths.max()))
+        torch.testing.assert_close(out, eager, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(grad, torch.autograd.grad(eager.sum(), x_eager)[0], atol=1e-5, rtol=1e-5)
+    assert len(graphs) <= 2, f"{len(graphs)} graphs for 5 batches"
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("causal", [False, True])
 def test_padded_batch_through_unpad_matches_masked_reference(causal, device):

@@ -67,7 +67,7 @@ def _packed_forward(q, k, v, cu_q, cu_k, max_q, max_k, dropout, scaling, causal,
     batch, seqlen = q.shape[:2]
     window = _window(sliding_window, causal)
     out = flash_attn_varlen_func(q.reshape(-1, *q.shape[2:]), k.reshape(-1, *k.shape[2:]), v.reshape(-1, *v.shape[2:]),
-                                 cu_q.to(torch.int32), cu_k.to(torch.int32), int(max_q), int(max_k), dropout_p=dropout,
+                                 cu_q.to(torch.int32), cu_k.to(torch.int32), max_q, max_k, dropout_p=dropout,
                                  softmax_scale=scaling, causal=causal, window_size=window, softcap=softcap or 0.0)
     return out.view(batch, seqlen, *out.shape[1:])
 
