@@ -229,8 +229,12 @@ def test_mha_options_and_errors():
         MHA(65, 4)
     with pytest.raises(ValueError, match="multiple of num_heads_kv"):
         MHA(64, 4, num_heads_kv=3)
-    with pytest.raises(NotImplementedError, match="mixer_subset"):
+    with pytest.raises(ValueError, match="mixer_subset"):
         MHA(64, 4)(x, mixer_subset=slice(0, 1))
+    cross = MHA(64, 4, cross_attn=True, num_heads_kv=2)
+    full = cross(x)
+    for subset in (slice(0, 1), torch.tensor([5, 2])):  # queries from some rows of x, keys from all
+        torch.testing.assert_close(cross(x, mixer_subset=subset), full[:, subset])
     with pytest.raises(ValueError, match="layer_idx"):
         MHA(64, 4)(x, inference_params=InferenceParams(16, 2))
     with pytest.raises(ValueError, match="excludes cu_seqlens and key_padding_mask"):

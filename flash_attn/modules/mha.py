@@ -85,8 +85,9 @@ class MHA(nn.Module):
     lengths_per_sample per sequence, rotary embeddings applied at those positions, and the queries
     attend to everything cached (flash_attn_with_kvcache). A prompt is the same call at offset 0.
 
-    dwconv and mixer_subset are not supported; fused_bias_fc and use_flash_attn only select
-    implementations in flash-attn and change nothing here.
+    mixer_subset (cross_attn only): the queries are x[:, mixer_subset] (e.g. a ViT's class token in
+    its last layer), the keys all of x_kv (default x). dwconv is not supported; fused_bias_fc and
+    use_flash_attn only select implementations in flash-attn and change nothing here.
     """
 
     def __init__(self, embed_dim, num_heads, num_heads_kv=None, cross_attn=False, qkv_proj_bias=True,
@@ -161,8 +162,8 @@ class MHA(nn.Module):
 
     def forward(self, x, x_kv=None, key_padding_mask=None, cu_seqlens=None, max_seqlen=None, mixer_subset=None,
                 inference_params=None, **kwargs):
-        if mixer_subset is not None:
-            raise NotImplementedError("MHA: mixer_subset is not supported")
+        if mixer_subset is not None and not self.cross_attn:
+            raise ValueError("MHA: mixer_subset (a subset of the queries) is for cross_attn=True")
         if inference_params is not None:
             if cu_seqlens is not None or key_padding_mask is not None:
                 raise ValueError("MHA: inference_params excludes cu_seqlens and key_padding_mask (sequences of "
@@ -173,13 +174,12 @@ class MHA(nn.Module):
         if x_kv is not None and not self.cross_attn:
             raise ValueError("MHA: x_kv is for cross_attn=True")
         packed = cu_seqlens is not None
-        lead = x.shape[:-1]  # (batch, seqlen) or (total,)
         h, hk, d = self.num_heads, self.num_heads_kv, self.head_dim
         varlen = dict(cu_seqlens=cu_seqlens, max_seqlen=max_seqlen) if packed else {}
         if self.cross_attn:
             if packed:
                 raise NotImplementedError("MHA: cross_attn with cu_seqlens is not supported")
-            q, kv = self._project(x, x_kv)
+            q, kv = self._project(x, x_kv, mixer_subset)
             out = self._attend(self._cross, q, kv, key_padding_mask)
         else:
             if h == hk:
@@ -199,15 +199,16 @@ class MHA(nn.Module):
                                        cu_seqlens_k=cu_seqlens, max_seqlen_k=max_seqlen)
                 else:
                     out = self._attend(self._cross, q, kv, key_padding_mask)
-        out = self.out_proj(out.reshape(*lead, self.embed_dim))
+        out = self.out_proj(out.flatten(-2))  # (batch, seqlen_q, embed_dim) or (total, embed_dim)
         return (out, x) if self.return_residual else out
 
-    def _project(self, x, x_kv=None):
-        """q (..., h, d) and kv (..., 2, h_k, d): of x through Wqkv, or with cross_attn of x through
-        Wq and of x_kv (default x) through Wkv."""
+    def _project(self, x, x_kv=None, mixer_subset=None):
+        """q (..., h, d) and kv (..., 2, h_k, d): of x through Wqkv, or with cross_attn of x (its
+        mixer_subset rows) through Wq and of x_kv (default x) through Wkv."""
         h, hk, d = self.num_heads, self.num_heads_kv, self.head_dim
         if self.cross_attn:
-            return self.Wq(x).unflatten(-1, (h, d)), self.Wkv(x if x_kv is None else x_kv).unflatten(-1, (2, hk, d))
+            x_q = x if mixer_subset is None else x[:, mixer_subset]
+            return self.Wq(x_q).unflatten(-1, (h, d)), self.Wkv(x if x_kv is None else x_kv).unflatten(-1, (2, hk, d))
         qkv = self.Wqkv(x)
         return qkv[..., : h * d].unflatten(-1, (h, d)), qkv[..., h * d:].unflatten(-1, (2, hk, d))
 
