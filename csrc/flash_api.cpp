@@ -126,16 +126,10 @@ void check_cu_seqlens_tensor(const std::optional<at::Tensor>& cu, const char* na
               cu->device());
 }
 
-// The offsets themselves: 0 first, non-decreasing, ending at the packed tensor's rows, no
-// sequence longer than max_seqlen. Reading them costs a device-to-host copy, skipped while a CUDA
-// graph is being captured (a copy cannot be captured), when FLASH_ATTN_SKIP_VARLEN_CHECKS=1, and in
-// the backward of an autograd graph whose forward checked them (VarlenOffsetsChecked).
-void check_cu_seqlens_values(const at::Tensor& cu, const char* name, int64_t total, const char* total_what,
+// The offsets themselves (c: a host copy of n of them): 0 first, non-decreasing, ending at the
+// packed tensor's rows, no sequence longer than max_seqlen.
+void check_cu_seqlens_values(const int32_t* c, int64_t n, const char* name, int64_t total, const char* total_what,
                              int64_t max_seqlen, const char* max_name) {
-  if (!index_value_checks_wanted(cu)) return;
-  const at::Tensor host = cu.to(at::kCPU);
-  const int32_t* c = host.data_ptr<int32_t>();
-  const int64_t n = host.numel();
   TORCH_CHECK(c[0] == 0, "flash_attn: ", name, "[0] must be 0, got ", c[0]);
   for (int64_t i = 0; i + 1 < n; ++i) {
     TORCH_CHECK(c[i + 1] >= c[i], "flash_attn: ", name, " must be non-decreasing, got ", name, "[", i, "] = ", c[i],
@@ -144,6 +138,21 @@ void check_cu_seqlens_values(const at::Tensor& cu, const char* name, int64_t tot
                 " is smaller than sequence ", i, "'s length ", c[i + 1] - c[i], " (from ", name, ")");
   }
   TORCH_CHECK(c[n - 1] == total, "flash_attn: ", name, "[-1] must equal ", total_what, " (", total, "), got ", c[n - 1]);
+}
+
+// Both offsets tensors' values. Reading them costs a device-to-host copy (a sync), one for both
+// when they are the same tensor (self-attention, the packed-qkv functions), and none while a CUDA
+// graph is being captured (a copy cannot be captured), when FLASH_ATTN_SKIP_VARLEN_CHECKS=1, and
+// in the backward of an autograd graph whose forward checked them (VarlenOffsetsChecked).
+void check_offsets_values(const Varlen& vl, int64_t total_q, int64_t total_k) {
+  if (!index_value_checks_wanted(*vl.cu_q)) return;
+  const at::Tensor host_q = vl.cu_q->to(at::kCPU);
+  const at::Tensor host_k = vl.cu_k->is_same(*vl.cu_q) ? host_q : vl.cu_k->to(at::kCPU);
+  const int64_t n = host_q.numel();
+  check_cu_seqlens_values(host_q.data_ptr<int32_t>(), n, "cu_seqlens_q", total_q, "q.size(0)", vl.max_q,
+                          "max_seqlen_q");
+  check_cu_seqlens_values(host_k.data_ptr<int32_t>(), n, "cu_seqlens_k", total_k, "k.size(0)", vl.max_k,
+                          "max_seqlen_k");
 }
 
 // Checks a varlen call's arguments (q: (total_q, nheads, headdim), k and v: (total_k, nheads_k,
@@ -172,8 +181,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> check_varlen(const Varlen& vl, co
               vl.max_q, " and ", vl.max_k);
   checked_int(vl.max_q, "max_seqlen_q");
   checked_int(vl.max_k, "max_seqlen_k");
-  check_cu_seqlens_values(*vl.cu_q, "cu_seqlens_q", q.size(0), "q.size(0)", vl.max_q, "max_seqlen_q");
-  check_cu_seqlens_values(*vl.cu_k, "cu_seqlens_k", k.size(0), "k.size(0)", vl.max_k, "max_seqlen_k");
+  check_offsets_values(vl, q.size(0), k.size(0));
   return {q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)};
 }
 

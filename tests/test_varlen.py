@@ -3,7 +3,7 @@ float64 reference run sequence by sequence, against flash_attn_func on each sequ
 argument checks, opcheck and torch.compile. CPU always; CUDA (marked gpu) on a GPU."""
 
 import math
-import os
+import warnings
 
 import pytest
 import torch
@@ -218,6 +218,34 @@ def test_varlen_errors(change, message):
         args[name] = f(args[name])
     with pytest.raises(RuntimeError, match=message):
         flash_attn_varlen_func(**args)
+
+
+def test_varlen_one_offsets_tensor_for_both_is_checked_against_each_total():
+    # (The op reads a tensor passed as both offsets once; each check still names its side.)
+    q, k, v = torch.randn(12, 2, 32), torch.randn(14, 2, 32), torch.randn(14, 2, 32)
+    cu = torch.tensor([0, 5, 12], dtype=torch.int32)
+    with pytest.raises(RuntimeError, match=r"cu_seqlens_k\[-1\] must equal k.size\(0\) \(14\), got 12"):
+        flash_attn_varlen_func(q, k, v, cu, cu, 7, 7)
+    with pytest.raises(RuntimeError, match="max_seqlen_k = 6 is smaller than sequence 1's length 7"):
+        flash_attn_varlen_func(q, k[:12], v[:12], cu, cu, 7, 6)
+
+
+@pytest.mark.gpu
+def test_varlen_offsets_read_with_one_sync_when_shared():
+    q = torch.randn(12, 2, 32, device="cuda", dtype=torch.float16)
+    cu = torch.tensor([0, 5, 12], dtype=torch.int32, device="cuda")
+    torch.cuda.synchronize()
+    syncs = []
+    for cu_k in (cu, cu.clone()):
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                flash_attn_varlen_func(q, q, q, cu, cu_k, 7, 7)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        syncs.append(sum("synchroniz" in str(w.message) for w in caught))
+    assert syncs[0] >= 1 and syncs[1] == syncs[0] + 1, syncs  # (one copy fewer when shared)
 
 
 def test_varlen_error_one_offsets_tensor_only():
