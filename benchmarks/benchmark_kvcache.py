@@ -3,7 +3,8 @@ over caches of seqlen_cache keys, against PyTorch's SDPA (its default backend ch
 on the same keys sliced from the cache after the same append. Decoding reads the whole cache once,
 so the figure of merit is the bandwidth: K and V bytes read per second (the H200 copies at about
 4.2 TB/s, ANCHORS.md). bf16, d=128, h=32 query heads over h_k key heads. `ours` lets the op pick
-split-KV, `ours_nosplit` passes num_splits=1.
+split-KV, `ours_nosplit` passes num_splits=1, `ours_paged` reads a paged cache (block_table;
+--page rows a page, the pages in shuffled order; 0 leaves it out).
 Two timings per point: the median of CUDA-event timings of one step (METHOD.md; the GPU's time),
 and wall-clock time per step over a loop of back-to-back steps (what an eager decoding loop sees,
 launches and host work included). The host-side check of cache_seqlens (a device sync) is off
@@ -40,7 +41,7 @@ def wall_ms(fn, steps=200):
     return (time.perf_counter() - start) * 1e3 / steps
 
 
-def point(b, hk, n):
+def point(b, hk, n, page):
     """The steps at batch b, h_k key heads, n keys already cached; returns {impl: (ms, wall ms)}."""
     rows = n + 1
     kc, vc = (torch.randn(b, rows, hk, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
@@ -60,8 +61,16 @@ def point(b, hk, n):
         F.scaled_dot_product_attention(q.transpose(1, 2), kc[:, :rows].transpose(1, 2), vc[:, :rows].transpose(1, 2),
                                        enable_gqa=True)
 
-    return {name: (median_ms(fn, 20), wall_ms(fn)) for name, fn in
-            (("ours", ours), ("ours_nosplit", ours_nosplit), ("sdpa", sdpa))}
+    runs = [("ours", ours), ("ours_nosplit", ours_nosplit), ("sdpa", sdpa)]
+    if page:
+        per_entry = (rows + page - 1) // page
+        table = torch.randperm(b * per_entry, device="cuda").view(b, per_entry).to(torch.int32)
+        kp, vp = (torch.randn(b * per_entry, page, hk, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+
+        def ours_paged():
+            flash_attn_with_kvcache(q, kp, vp, k, v, cache_seqlens=seqlens, causal=True, block_table=table)
+        runs.insert(2, ("ours_paged", ours_paged))
+    return {name: (median_ms(fn, 20), wall_ms(fn)) for name, fn in runs}
 
 
 def main():
@@ -72,6 +81,7 @@ def main():
     ap.add_argument("--out", default="kvcache.json")
     ap.add_argument("--plot", default=None)
     ap.add_argument("--checks", action="store_true", help="keep the host-side check of cache_seqlens")
+    ap.add_argument("--page", type=int, default=256, help="rows a page of ours_paged's cache (0: no paged run)")
     a = ap.parse_args()
     rows = []
     for b in map(int, a.batches.split(",")):
@@ -79,12 +89,12 @@ def main():
             for n in map(int, a.seqlens.split(",")):
                 kv_bytes = 2 * b * (n + 1) * hk * D * 2
                 line = f"b={b:3d} hk={hk:2d} n={n:6d}"
-                for impl, (t, wall) in point(b, hk, n).items():
+                for impl, (t, wall) in point(b, hk, n, a.page).items():
                     rows.append(dict(impl=impl, batch=b, hk=hk, seqlen_cache=n, ms=t, wall_ms=wall,
                                      tb_per_s=kv_bytes / t / 1e9))
                     line += f"  {impl} {t * 1e3:7.1f} us {rows[-1]['tb_per_s']:4.2f} TB/s (wall {wall * 1e3:6.1f})"
                 print(line, flush=True)
-    save_results(rows, a.out, plot, a.plot, heads=H, headdim=D, dtype="bf16", checks=a.checks)
+    save_results(rows, a.out, plot, a.plot, heads=H, headdim=D, dtype="bf16", checks=a.checks, page=a.page)
 
 
 def plot(rows, path):
@@ -94,10 +104,11 @@ def plot(rows, path):
     keys = sorted({(r["batch"], r["hk"]) for r in rows})
     fig, axes = plt.subplots(1, len(keys), figsize=(3.6 * len(keys), 3.2), squeeze=False)
     for ax, (b, hk) in zip(axes[0], keys):
-        for impl in ("ours", "ours_nosplit", "sdpa"):
+        for impl in ("ours", "ours_nosplit", "ours_paged", "sdpa"):
             pts = sorted((r["seqlen_cache"], r["tb_per_s"]) for r in rows
                          if (r["batch"], r["hk"], r["impl"]) == (b, hk, impl))
-            ax.plot(*zip(*pts), marker="o", label=impl)
+            if pts:
+                ax.plot(*zip(*pts), marker="o", label=impl)
         ax.set_xscale("log", base=2)
         finish_axis(ax, f"decode b={b} h_k={hk}", "cached keys", "K+V TB/s")
     fig.tight_layout()

@@ -263,6 +263,12 @@ void set_kvcache_params(FwdParams& p, const KvCacheRead* kv, const at::Tensor& c
   p.k_batch_stride = p.v_batch_stride = 0;  // (the broadcast; also where the batch has one entry)
   p.k_entries = int(cache.size(0));
   p.k_entry_rows = p.seqlen_k = p.total_k = int(cache.size(1));
+  if (kv->block_table != nullptr) {  // entries are pages; a batch entry spans pages_per_entry of them
+    p.block_table = kv->block_table;
+    p.block_table_stride = kv->block_table_stride;
+    p.page_block_size = int(cache.size(1));
+    p.k_entry_rows = p.seqlen_k = p.total_k = kv->pages_per_entry * p.page_block_size;
+  }
 }
 
 // The backward's extra layouts: the GQA dK/dV scratch rows (batch, h, seqlen_k) and, with varlen,

@@ -16,12 +16,17 @@ namespace flash {
 bool index_value_checks_wanted(const at::Tensor& t);
 
 // How flash_attn_with_kvcache reads its cache (FwdParams::seqused_k): int32 device vectors of one
-// entry per batch entry; batch_idx and leftpad may be null (entry b, row 0).
+// entry per batch entry; batch_idx and leftpad may be null (entry b, row 0). A paged cache (CUDA):
+// block_table (batch, pages_per_entry) with row stride block_table_stride, the cache's entries
+// then being pages (FwdParams::block_table); batch_idx and leftpad null.
 struct KvCacheRead {
   const int32_t* seqused;    // keys in the cache before the new ones
   const int32_t* batch_idx;  // the cache entry of each batch entry
   const int32_t* leftpad;    // each entry's first key row
   int seqlen_new;            // keys appended after seqused
+  const int32_t* block_table = nullptr;
+  int64_t block_table_stride = 0;
+  int pages_per_entry = 0;
 };
 
 // The forward of q (batch, seqlen_q, nheads, headdim; any strides) over k_cache and v_cache

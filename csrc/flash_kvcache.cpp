@@ -1,11 +1,12 @@
 // flash_attn::fwd_kvcache: flash-attn 2.x's flash_attn_with_kvcache after its rotary embeddings
 // (applied by the Python wrapper): new keys and values appended to the cache in place, then
 // attention over each batch entry's keys, cache rows [cache_leftpad[i], cache_seqlens[i] + new) of
-// cache entry cache_batch_idx[i], which the kernels read in place (FwdParams::seqused_k). Forward
-// only.
+// cache entry cache_batch_idx[i], or of the pages block_table[i] lists (a paged cache), which the
+// kernels read in place (FwdParams::seqused_k, FwdParams::block_table). Forward only.
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <limits>
 #include <optional>
@@ -13,6 +14,7 @@
 #include <vector>
 
 #include "flash_api.h"
+#include "flash_params.h"
 
 #ifdef FLASH_ATTN_WITH_CUDA
 #include <ATen/cuda/CUDAContext.h>
@@ -43,18 +45,22 @@ void check_per_batch(const at::Tensor& t, const char* name, int64_t batch, const
 
 // The per-batch values, read on the host in one copy (a device sync; skipped where
 // index_value_checks_wanted says so, like the varlen offsets): 0 <= leftpad <= seqlens and
-// seqlens + new <= cache rows, 0 <= index < entries.
+// seqlens + new <= cache rows (per entry), 0 <= index < entries; with a block table, its pages
+// that hold the keys are entries of the cache (pages of page_rows rows).
 void check_values(const at::Tensor& seqlens, int64_t new_keys, const OptTensor& batch_idx, const OptTensor& leftpad,
-                  int64_t rows, int64_t entries) {
+                  const OptTensor& block_table, int64_t page_rows, int64_t rows, int64_t entries) {
   if (!index_value_checks_wanted(seqlens)) return;
   const int64_t b = seqlens.numel();
   std::vector<at::Tensor> parts{seqlens};
   if (leftpad) parts.push_back(*leftpad);
   if (batch_idx) parts.push_back(*batch_idx);
+  if (block_table) parts.push_back(block_table->reshape({-1}));
   const at::Tensor host = (parts.size() == 1 ? seqlens : at::cat(parts)).to(at::kCPU);
   const int32_t* pn = host.data_ptr<int32_t>();
   const int32_t* plp = leftpad ? pn + b : nullptr;
   const int32_t* pi = batch_idx ? pn + (leftpad ? 2 : 1) * b : nullptr;
+  const int32_t* pt = block_table ? pn + b : nullptr;  // (no leftpad or index with a table)
+  const int64_t pages = block_table ? block_table->size(1) : 0;
   for (int64_t i = 0; i < b; ++i) {
     TORCH_CHECK(pn[i] >= 0 && pn[i] + new_keys <= rows, "flash_attn_with_kvcache: cache_seqlens[", i, "] = ", pn[i],
                 (new_keys > 0 ? " plus the new keys" : ""), " must be in [0, seqlen_cache = ", rows,
@@ -64,7 +70,30 @@ void check_values(const at::Tensor& seqlens, int64_t new_keys, const OptTensor& 
                 " must be in [0, ", pn[i] + new_keys, "] (0 to that entry's keys)");
     TORCH_CHECK(!pi || (pi[i] >= 0 && pi[i] < entries), "flash_attn_with_kvcache: cache_batch_idx[", i, "] = ",
                 pi ? pi[i] : 0, " is not an entry of k_cache (", entries, " entries)");
+    for (int64_t j = 0; pt && j * page_rows < pn[i] + new_keys; ++j)
+      TORCH_CHECK(pt[i * pages + j] >= 0 && pt[i * pages + j] < entries, "flash_attn_with_kvcache: block_table[", i,
+                  ", ", j, "] = ", pt[i * pages + j], " is not a page of k_cache (", entries, " pages), and that "
+                  "entry's keys reach page ", j);
   }
+}
+
+// A paged cache: block_table (batch, pages per entry) int32 of page indices, and pages of a
+// multiple of kPageBlockMultiple rows (flash-attn 2.x's rule: a page then holds whole key tiles).
+void check_block_table(const at::Tensor& t, int64_t batch, const at::Tensor& q, const at::Tensor& k_cache,
+                       bool batch_idx, bool leftpad) {
+  TORCH_CHECK(t.scalar_type() == at::kInt, "flash_attn_with_kvcache: block_table must be int32, got ", t.scalar_type());
+  TORCH_CHECK(t.dim() == 2 && t.size(0) == batch, "flash_attn_with_kvcache: block_table must have shape (batch, "
+              "max_num_blocks_per_seq) = (", batch, ", n), got ", t.sizes());
+  TORCH_CHECK(t.device() == q.device(), "flash_attn_with_kvcache: block_table must be on the device of q (",
+              q.device(), "), got ", t.device());
+  TORCH_CHECK(t.size(1) <= 1 || t.stride(1) == 1, "flash_attn_with_kvcache: block_table must have a contiguous last "
+              "dim, got strides ", t.strides());
+  TORCH_CHECK(k_cache.size(1) > 0 && k_cache.size(1) % kPageBlockMultiple == 0, "flash_attn_with_kvcache: with "
+              "block_table, k_cache is (num_blocks, page_block_size, nheads_k, headdim) and page_block_size must be a "
+              "positive multiple of ", kPageBlockMultiple, ", got ", k_cache.size(1));
+  TORCH_CHECK(!batch_idx, "flash_attn_with_kvcache: cache_batch_idx cannot be combined with block_table (the table "
+              "already says which pages each batch entry reads)");
+  TORCH_CHECK(!leftpad, "flash_attn_with_kvcache: cache_leftpad cannot be combined with block_table");
 }
 
 // New keys and values: (batch, seqlen_new, nheads_k, headdim), the cache's dtype and device.
@@ -81,7 +110,7 @@ void check_new(const at::Tensor& t, const char* name, int64_t b, const at::Tenso
 // The new keys and values into the cache at rows seqlens[i] + j of entry idx[i] (checked before,
 // or dropped by the CUDA kernel where they would fall outside it).
 void append(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& kn, const at::Tensor& vn,
-            const at::Tensor& seqlens, const OptTensor& idx) {
+            const at::Tensor& seqlens, const OptTensor& idx, const OptTensor& table, int64_t rows) {
   const int64_t b = kn.size(0), n = kn.size(1);
 #ifdef FLASH_ATTN_WITH_CUDA
   if (k_cache.is_cuda()) {
@@ -93,14 +122,24 @@ void append(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& kn, cons
                            {k_cache.stride(0), k_cache.stride(1), k_cache.stride(2)},
                            {v_cache.stride(0), v_cache.stride(1), v_cache.stride(2)},
                            seqlens.data_ptr<int32_t>(), idx ? idx->data_ptr<int32_t>() : nullptr, int(b), int(n),
-                           int(kn.size(2)), int(kn.size(3)), int(k_cache.size(0)), int(k_cache.size(1))};
+                           int(kn.size(2)), int(kn.size(3)), int(k_cache.size(0)), int(rows)};
+    if (table) {
+      a.block_table = table->data_ptr<int32_t>();
+      a.block_table_stride = table->stride(0);
+      a.page_block_size = int(k_cache.size(1));
+    }
     cuda::kvcache_append(a, at::cuda::getCurrentCUDAStream().stream());
     return;
   }
 #endif
   const auto i64 = seqlens.options().dtype(at::kLong);
-  const at::Tensor pos = seqlens.to(at::kLong).unsqueeze(1) + at::arange(n, i64);
-  const at::Tensor ent = (idx ? idx->to(at::kLong) : at::arange(b, i64)).unsqueeze(1).expand({b, n});
+  at::Tensor pos = seqlens.to(at::kLong).unsqueeze(1) + at::arange(n, i64);
+  at::Tensor ent = (idx ? idx->to(at::kLong) : at::arange(b, i64)).unsqueeze(1).expand({b, n});
+  if (table) {  // the rows' pages and their rows there
+    const int64_t page = k_cache.size(1);
+    ent = table->to(at::kLong).gather(1, at::floor_divide(pos, page));
+    pos = at::remainder(pos, page);
+  }
   k_cache.index_put_({ent, pos}, kn);
   v_cache.index_put_({ent, pos}, vn);
 }
@@ -118,23 +157,29 @@ void check_cache_in_place(const at::Tensor& t, const char* name) {
 
 // q: (batch, seqlen_q, nheads, headdim); k_cache, v_cache: (batch_cache, seqlen_cache, nheads_k,
 // headdim), written in place at rows cache_seqlens[i] + j where k_new, v_new (batch, seqlen_new,
-// nheads_k, headdim) are given. cache_seqlens (batch,) int32, or None for full entries.
-// num_splits: split-KV on CUDA (0: as many as fill the GPU, 1: none, n: n). Returns out (batch,
+// nheads_k, headdim) are given. cache_seqlens (batch,) int32, or None for full entries. With
+// block_table (batch, max_num_blocks_per_seq) int32, the cache is (num_blocks, page_block_size,
+// nheads_k, headdim) and entry i is the table's row i of pages. num_splits: split-KV on CUDA (0: as many as fill the GPU, 1: none, n: n). Returns out (batch,
 // seqlen_q, nheads, headdim) and softmax_lse (batch, nheads, seqlen_q).
 std::tuple<at::Tensor, at::Tensor> mha_fwd_kvcache(const at::Tensor& q, at::Tensor& k_cache, at::Tensor& v_cache,
                                                    const OptTensor& k_new, const OptTensor& v_new,
                                                    const OptTensor& cache_seqlens, const OptTensor& cache_batch_idx,
-                                                   const OptTensor& cache_leftpad, std::optional<double> softmax_scale,
+                                                   const OptTensor& cache_leftpad, const OptTensor& block_table,
+                                                   std::optional<double> softmax_scale,
                                                    bool causal, int64_t window_size_left, int64_t window_size_right,
                                                    const OptTensor& alibi_slopes, double softcap, int64_t num_splits) {
   const auto given = [](const OptTensor& t) { return t && t->defined() ? t : std::nullopt; };
-  const OptTensor kn = given(k_new), vn = given(v_new), idx = given(cache_batch_idx), lp = given(cache_leftpad);
+  const OptTensor kn = given(k_new), vn = given(v_new), idx = given(cache_batch_idx), lp = given(cache_leftpad),
+                  table = given(block_table);
   check_rank4(q, "q", "(batch, seqlen_q, nheads, headdim)");
   check_rank4(k_cache, "k_cache", "(batch_cache, seqlen_cache, nheads_k, headdim)");
   check_rank4(v_cache, "v_cache", "(batch_cache, seqlen_cache, nheads_k, headdim)");
   TORCH_CHECK(v_cache.sizes() == k_cache.sizes(), "flash_attn_with_kvcache: v_cache must have the shape of k_cache ",
               k_cache.sizes(), ", got ", v_cache.sizes());
-  const int64_t b = q.size(0), sq = q.size(1), entries = k_cache.size(0), rows = k_cache.size(1);
+  const int64_t b = q.size(0), sq = q.size(1), entries = k_cache.size(0);
+  if (table) check_block_table(*table, b, q, k_cache, idx.has_value(), lp.has_value());
+  // Rows of one batch entry's cache: a paged entry spans its block table row's pages.
+  const int64_t rows = table ? table->size(1) * k_cache.size(1) : k_cache.size(1);
   TORCH_CHECK(kn.has_value() == vn.has_value(), "flash_attn_with_kvcache: k and v must be given together, got ",
               kn ? "v = None" : "k = None");
   if (kn) {
@@ -153,16 +198,18 @@ std::tuple<at::Tensor, at::Tensor> mha_fwd_kvcache(const at::Tensor& q, at::Tens
   check_per_batch(seqlens, "cache_seqlens", b, q);
   if (idx) check_per_batch(*idx, "cache_batch_idx", b, q);
   if (lp) check_per_batch(*lp, "cache_leftpad", b, q);
-  TORCH_CHECK(idx || entries == b, "flash_attn_with_kvcache: k_cache has ", entries, " batch entries and q ", b,
-              "; pass cache_batch_idx to pick entries");
-  TORCH_CHECK(entries > 0 || b == 0, "flash_attn_with_kvcache: k_cache has no batch entries for q's ", b);
-  TORCH_CHECK(b * sq <= std::numeric_limits<int>::max() && entries * rows <= std::numeric_limits<int>::max(),
+  TORCH_CHECK(idx || table || entries == b, "flash_attn_with_kvcache: k_cache has ", entries, " batch entries and q ",
+              b, "; pass cache_batch_idx to pick entries");
+  TORCH_CHECK(entries > 0 || b == 0, "flash_attn_with_kvcache: k_cache has no ", table ? "pages" : "batch entries",
+              " for q's ", b);
+  constexpr int64_t kIntMax = std::numeric_limits<int>::max();
+  TORCH_CHECK(b * sq <= kIntMax && entries * k_cache.size(1) <= kIntMax && rows <= kIntMax,
               "flash_attn_with_kvcache: batch x seqlen must fit in 32 bits for q and for the cache");
   check_cache_in_place(k_cache, "k_cache");
   check_cache_in_place(v_cache, "v_cache");
-  check_values(seqlens, new_keys, idx, lp, rows, entries);
+  check_values(seqlens, new_keys, idx, lp, table, k_cache.size(1), rows, entries);
 
-  if (kn) append(k_cache, v_cache, *kn, *vn, seqlens, idx);
+  if (kn) append(k_cache, v_cache, *kn, *vn, seqlens, idx, table, rows);
   // One decoding query per head under GQA: the g query heads of a key head become g query rows of
   // it (causal then changes nothing: one query sees every key), so each key tile is read once per
   // key head rather than once per query head: q (b, 1, h, d) seen as (b, g, h_k, d). Not with
@@ -171,9 +218,19 @@ std::tuple<at::Tensor, at::Tensor> mha_fwd_kvcache(const at::Tensor& q, at::Tens
   const bool fold = sq == 1 && g > 1 && h % hk == 0 && window_size_left < 0 && window_size_right < 0 &&
                     !(alibi_slopes && alibi_slopes->defined());
   const at::Tensor qv = fold ? q.reshape({b, hk, g, q.size(3)}).transpose(1, 2) : q;
-  const KvCacheRead kv{seqlens.data_ptr<int32_t>(), idx ? idx->data_ptr<int32_t>() : nullptr,
-                       lp ? lp->data_ptr<int32_t>() : nullptr, int(new_keys)};
-  auto [out, lse] = mha_fwd_kvcache_read(qv, k_cache, v_cache, kv, softmax_scale, causal && !fold, window_size_left,
+  KvCacheRead kv{seqlens.data_ptr<int32_t>(), idx ? idx->data_ptr<int32_t>() : nullptr,
+                 lp ? lp->data_ptr<int32_t>() : nullptr, int(new_keys)};
+  at::Tensor k_read = k_cache, v_read = v_cache;
+  if (table && k_cache.is_cuda()) {  // the kernels follow the table
+    kv.block_table = table->data_ptr<int32_t>();
+    kv.block_table_stride = table->stride(0);
+    kv.pages_per_entry = int(table->size(1));
+  } else if (table) {  // the CPU reads each entry's pages gathered into rows (unused ones clamped, like CUDA's)
+    const at::Tensor pages = table->reshape({-1}).to(at::kLong).clamp(0, std::max<int64_t>(entries - 1, 0));
+    k_read = k_cache.index_select(0, pages).view({b, rows, k_cache.size(2), k_cache.size(3)});
+    v_read = v_cache.index_select(0, pages).view({b, rows, v_cache.size(2), v_cache.size(3)});
+  }
+  auto [out, lse] = mha_fwd_kvcache_read(qv, k_read, v_read, kv, softmax_scale, causal && !fold, window_size_left,
                                          window_size_right, alibi_slopes, softcap, num_splits);
   if (fold)  // out has qv's strides: (b, g, h_k, d) over (b, 1, h, d) memory; lse (b, h_k, g) = (b, h, 1)
     return {out.transpose(1, 2).reshape({b, 1, h, out.size(3)}), lse.reshape({b, h, 1})};
@@ -187,6 +244,7 @@ TORCH_LIBRARY_FRAGMENT(flash_attn, m) {
   m.def(
       "fwd_kvcache(Tensor q, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor? k=None, Tensor? v=None, "
       "Tensor? cache_seqlens=None, Tensor? cache_batch_idx=None, Tensor? cache_leftpad=None, "
+      "Tensor? block_table=None, "
       "float? softmax_scale=None, bool causal=False, int window_size_left=-1, int window_size_right=-1, "
       "Tensor? alibi_slopes=None, float softcap=0., int num_splits=0) -> (Tensor out, Tensor softmax_lse)");
 }

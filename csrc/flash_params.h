@@ -7,6 +7,9 @@
 
 namespace flash {
 
+// A paged KV cache's page rows are a multiple of this (FwdParams::block_table).
+inline constexpr int kPageBlockMultiple = 256;
+
 enum class DType : int { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
 
 struct QKVParams {
@@ -88,6 +91,14 @@ struct FwdParams : QKVParams {
   const int32_t* kv_batch_idx = nullptr;
   const int32_t* k_leftpad = nullptr;
   int seqlen_knew = 0, k_entries = 0, k_entry_rows = 0;
+  // A paged cache (block_table set; no kv_batch_idx or k_leftpad): k_entries pages of
+  // page_block_size rows; batch entry b's key j lives in page block_table[b * block_table_stride +
+  // j / page_block_size] at row j % page_block_size, and k_entry_rows = pages per entry x page rows.
+  // Pages hold whole key tiles: page_block_size is a multiple of kPageBlockMultiple (flash-attn
+  // 2.x's rule), and every forward kernel's key tile divides that.
+  const int32_t* block_table = nullptr;
+  int64_t block_table_stride = 0;
+  int page_block_size = 0;
 
   // softmax_lse is (batch, h, seqlen_q), or (h, total_q) with varlen (batch stride 0); row i of
   // head (b, h) is at b * lse_batch_stride + h * lse_head_stride + q_row0 + i.

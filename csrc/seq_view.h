@@ -50,11 +50,20 @@ FLASH_HOST_DEVICE Params seq_view(const Params& p, int b) {
       const int rows = p.k_entry_rows;
       const int e = p.kv_batch_idx != nullptr ? clamp_int(p.kv_batch_idx[b], 0, p.k_entries - 1) : b;
       const int lp = p.k_leftpad != nullptr ? clamp_int(p.k_leftpad[b], 0, rows) : 0;
-      v.k_row0 = e * rows + lp;
+      v.k_row0 = p.block_table != nullptr ? 0 : e * rows + lp;  // (paged: key_tile_row places each tile)
       v.seqlen_k = clamp_int(p.seqused_k[b] + p.seqlen_knew - lp, 0, rows - lp);
     }
   }
   return v;
+}
+
+// The row of key j0, the first of a key tile, counted from the sequence's first key row: j0, or
+// with a paged cache the tile's place in its page (a page holds whole tiles), the page index
+// clamped into the cache like seq_view's values.
+FLASH_HOST_DEVICE int64_t key_tile_row(const FwdParams& p, int b, int j0) {
+  if (p.block_table == nullptr) return j0;
+  const int page = p.block_table[b * p.block_table_stride + j0 / p.page_block_size];
+  return int64_t(clamp_int(page, 0, p.k_entries - 1)) * p.page_block_size + j0 % p.page_block_size;
 }
 
 // Row 0 of head (b, h) of an operand laid out (batch, rows, heads, d) with these strides, at the

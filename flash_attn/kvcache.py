@@ -37,21 +37,24 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     False: GPT-NeoX halves.
     cache_seqlens: int or (batch,) int32, the keys already in each entry (required with k; None:
     every entry is full). cache_leftpad: (batch,) int32, the first cache row of each entry.
+    block_table (optional): (batch, max_num_blocks_per_seq) int32, a paged cache. k_cache and
+    v_cache are then (num_blocks, page_block_size, nheads_k, headdim) with page_block_size a
+    multiple of 256, and row r of batch entry i is row r % page_block_size of page
+    block_table[i, r // page_block_size]; the pages that hold an entry's keys (and the new ones)
+    must be pages of the cache (checked with cache_seqlens). Not with cache_batch_idx or
+    cache_leftpad. Pages may be shared between entries for reading; two entries appending to the
+    same page rows race.
     causal, window_size, softcap, alibi_slopes, softmax_scale: as in flash_attn_func, bottom-right
     aligned to each entry's keys (a row that sees no key gets output 0).
     num_splits: on CUDA, how many CTAs share each query block's keys (split-KV, then a combine
     kernel): 0 picks enough to fill the GPU when batch x heads x query blocks would not, 1 never
     splits, n asks for n. One decoding query per head under GQA (seqlen_q 1, no window or ALiBi)
     runs as nheads / nheads_k query rows of each key head, so the cache is read once per key head.
-    block_table (a paged cache) is not supported.
 
     Returns out (batch, seqlen_q, nheads, headdim); with return_softmax_lse=True also softmax_lse
     (batch, nheads, seqlen_q), float32. Forward only, like flash-attn 2.x's: the result carries no
     gradient.
     """
-    if block_table is not None:
-        raise NotImplementedError("flash_attn_with_kvcache: block_table (a paged KV cache) is not supported; pass "
-                                  "block_table=None with a (batch_cache, seqlen_cache, nheads_k, headdim) cache")
     if (rotary_cos is None) != (rotary_sin is None):
         raise ValueError("flash_attn_with_kvcache: rotary_cos and rotary_sin must be given together")
     left, right = _window(window_size)
@@ -61,9 +64,10 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     if rotary_cos is not None:
         if k is None:
             raise ValueError("flash_attn_with_kvcache: rotary_cos / rotary_sin rotate the new keys: pass k and v too")
-        if rotary_cos.shape[0] < k_cache.shape[1]:
+        rows = k_cache.shape[1] * (block_table.shape[1] if block_table is not None else 1)
+        if rotary_cos.shape[0] < rows:
             raise ValueError(f"flash_attn_with_kvcache: rotary_cos covers {rotary_cos.shape[0]} positions, fewer "
-                             f"than the cache's {k_cache.shape[1]} rows")
+                             f"than the cache's {rows} rows")
         if cache_seqlens is None:
             raise ValueError("flash_attn_with_kvcache: k and v are appended at cache_seqlens, which must then be "
                              "given, got None")
@@ -79,6 +83,6 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                                  rotary_interleaved, seqlen_offsets=start).view(q.shape)
     with torch.no_grad():
         out, lse = ops.fwd_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cache_leftpad,
-                                   softmax_scale, bool(causal), left, right, alibi_slopes, float(softcap),
+                                   block_table, softmax_scale, bool(causal), left, right, alibi_slopes, float(softcap),
                                    int(num_splits))
     return (out, lse) if return_softmax_lse else out

@@ -44,7 +44,7 @@ def _bwd_fake(dout, q, k, v, out, softmax_lse, dropout_p=0.0, softmax_scale=None
 
 @torch.library.register_fake("flash_attn::fwd_kvcache")
 def _fwd_kvcache_fake(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, cache_batch_idx=None,
-                      cache_leftpad=None, softmax_scale=None, causal=False, window_size_left=-1, window_size_right=-1,
+                      cache_leftpad=None, block_table=None, softmax_scale=None, causal=False, window_size_left=-1, window_size_right=-1,
                       alibi_slopes=None, softcap=0.0, num_splits=0):
     b, sq, h, _ = q.shape
     return q.new_empty(q.shape), q.new_empty((b, h, sq), dtype=torch.float32)

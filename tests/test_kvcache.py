@@ -69,9 +69,33 @@ def make_case(device, dtype, b=3, entries=None, rows=80, sq=1, sn=1, h=4, hk=2, 
     return q, k_cache, v_cache, k, v, seqlens, idx, lp
 
 
+def page_table(b, n, pages, device):
+    """A block table of n pages for each of b entries, drawn in shuffled order from `pages`
+    (the rest unused), as a column slice of a wider table (a row stride past its width)."""
+    order = torch.randperm(pages, device=device)
+    wide = torch.full((b, n + 2), -1, dtype=torch.int32, device=device)
+    wide[:, :n] = order[:b * n].view(b, n).to(torch.int32)
+    return wide[:, :n]
+
+
+def to_pages(cache, table, pages):
+    """A (b, rows, hk, d) cache as `pages` pages of rows / n rows where table says, NaN elsewhere."""
+    b, n = table.shape
+    out = torch.full((pages, cache.shape[1] // n) + cache.shape[2:], float("nan"), dtype=cache.dtype,
+                     device=cache.device)
+    out[table.long()] = cache.view(b, n, -1, *cache.shape[2:])
+    return out
+
+
+def from_pages(pages, table):
+    """The paged cache read back entry by entry: (b, rows, hk, d)."""
+    return pages[table.long()].flatten(1, 2)
+
+
 def check_kvcache(device, b=3, entries=None, rows=80, sq=1, sn=1, h=4, hk=2, d=64, seqlens=None, leftpad=None,
                   batch_idx=None, rotary=None, causal=False, window_size=(-1, -1), alibi=False, softcap=0.0,
-                  softmax_scale=None, num_splits=0):
+                  softmax_scale=None, num_splits=0, page=None):
+    """page: the same case through a paged cache of that many rows a page (block_table)."""
     dtype = dtype_for(device)
     q, k_cache, v_cache, k, v, seqlens, idx, lp = make_case(device, dtype, b, entries, rows, sq, sn, h, hk, d,
                                                             seqlens, leftpad, batch_idx)
@@ -81,12 +105,22 @@ def check_kvcache(device, b=3, entries=None, rows=80, sq=1, sn=1, h=4, hk=2, d=6
         cos, sin = angle.cos().to(dtype), angle.sin().to(dtype)
     slopes = torch.rand(b, h, device=device) * 0.3 if alibi else None
     cache_before = k_cache.clone(), v_cache.clone()
+    table = None
+    if page is not None:  # three pages more than the table lists
+        pages = b * (rows // page) + 3
+        table = page_table(b, rows // page, pages, device)
+        k_cache, v_cache = to_pages(k_cache, table, pages), to_pages(v_cache, table, pages)
+        unused = torch.ones(pages, dtype=torch.bool, device=device)
+        unused[table.long().flatten()] = False
     out, lse = flash_attn_with_kvcache(q, k_cache, v_cache, k, v, rotary_cos=cos, rotary_sin=sin,
                                        cache_seqlens=seqlens, cache_batch_idx=idx, cache_leftpad=lp,
-                                       softmax_scale=softmax_scale, causal=causal, window_size=window_size,
-                                       softcap=softcap, rotary_interleaved=bool(rotary), alibi_slopes=slopes,
-                                       num_splits=num_splits, return_softmax_lse=True)
+                                       block_table=table, softmax_scale=softmax_scale, causal=causal,
+                                       window_size=window_size, softcap=softcap, rotary_interleaved=bool(rotary),
+                                       alibi_slopes=slopes, num_splits=num_splits, return_softmax_lse=True)
     assert out.shape == q.shape and lse.shape == (b, h, sq) and lse.is_contiguous()
+    if page is not None:  # pages no entry lists stay as they were; the rest read back as entries
+        assert k_cache[unused].isnan().all() and v_cache[unused].isnan().all()
+        k_cache, v_cache = from_pages(k_cache, table), from_pages(v_cache, table)
 
     # The cache: the new rows (rotated) at cache_seqlens, every other row as it was.
     entry = list(range(b)) if idx is None else idx.tolist()
@@ -161,6 +195,57 @@ def test_kvcache_batch_idx_and_leftpad(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("page", [256, 512])
+@pytest.mark.parametrize("sq, sn", [(1, 1), (3, 0), (5, 5), (130, 2)])
+@pytest.mark.parametrize("hk", [1, 2])
+def test_kvcache_paged(page, sq, sn, hk, device):
+    """A paged cache (block_table): the keys cross pages, the pages lie shuffled, an entry with no
+    keys, one whose keys end on a page boundary and one with a full table."""
+    rows = 1024
+    check_kvcache(device, b=4, rows=rows, sq=sq, sn=sn, h=4, hk=hk, causal=True, page=page,
+                  seqlens=[0, page - sn, 300, rows - sn])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("num_splits", [0, 1, 3])
+def test_kvcache_paged_splits_and_head_dims(d, num_splits, device):
+    check_kvcache(device, b=3, rows=768, sq=1, sn=1, h=8, hk=2, d=d, page=256, num_splits=num_splits,
+                  seqlens=[700, 40, 511])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_kvcache_paged_rotary_window_alibi_softcap(interleaved, device):
+    check_kvcache(device, b=2, rows=512, sq=3, sn=3, page=256, rotary=interleaved, causal=True, seqlens=[250, 400])
+    check_kvcache(device, b=2, rows=512, sq=3, sn=2, page=256, window_size=(100, 0), alibi=True, softcap=4.0,
+                  seqlens=[254, 300])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("sq", [1, 4])
+def test_kvcache_paged_equals_contiguous(sq, device):
+    """The same step on a paged cache and on the contiguous one: the same kernels read the same
+    keys, so the outputs, logsumexps and appended rows agree exactly."""
+    dtype = dtype_for(device)
+    b, h, hk, d, rows, page = 3, 8, 2, 128, 1024, 256
+    q = torch.randn(b, sq, h, d, dtype=dtype, device=device)
+    kn, vn = (torch.randn(b, 2, hk, d, dtype=dtype, device=device) for _ in range(2))
+    kc, vc = (torch.randn(b, rows, hk, d, dtype=dtype, device=device) for _ in range(2))
+    seqlens = torch.tensor([1000, 255, 17], dtype=torch.int32, device=device)
+    pages = b * rows // page + 1
+    table = page_table(b, rows // page, pages, device)
+    kp, vp = to_pages(kc, table, pages), to_pages(vc, table, pages)
+    want = flash_attn_with_kvcache(q, kc, vc, kn, vn, cache_seqlens=seqlens, causal=True, return_softmax_lse=True)
+    got = flash_attn_with_kvcache(q, kp, vp, kn, vn, cache_seqlens=seqlens, block_table=table, causal=True,
+                                  return_softmax_lse=True)
+    for w, g in zip(want, got):
+        torch.testing.assert_close(g, w, rtol=0, atol=0)
+    torch.testing.assert_close(from_pages(kp, table), kc, rtol=0, atol=0)
+    torch.testing.assert_close(from_pages(vp, table), vc, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("window_size", [(8, 0), (20, 4), (-1, 2)])
 @pytest.mark.parametrize("sq", [1, 6])
 def test_kvcache_window(window_size, sq, device):
@@ -221,8 +306,41 @@ def good(device="cpu"):
                 cache_seqlens=torch.tensor([3, 9], dtype=torch.int32))
 
 
+def good_paged():
+    """good() with a paged cache: 5 pages of 256 rows, entry 0 on pages 3 and 1, entry 1 on 0 and 4."""
+    return dict(good(), k_cache=torch.randn(5, 256, 1, 32), v_cache=torch.randn(5, 256, 1, 32),
+                block_table=torch.tensor([[3, 1], [0, 4]], dtype=torch.int32),
+                cache_seqlens=torch.tensor([300, 9], dtype=torch.int32))
+
+
 @pytest.mark.parametrize("change, message", [
-    (dict(block_table=torch.zeros(2, 1, dtype=torch.int32)), "block_table"),
+    (dict(k_cache=torch.randn(5, 100, 1, 32), v_cache=torch.randn(5, 100, 1, 32)), "multiple of 256, got 100"),
+    (dict(block_table=torch.tensor([[3, 1], [0, 4]])), "block_table must be int32"),
+    (dict(block_table=torch.tensor([3, 1], dtype=torch.int32)), r"block_table must have shape \(batch, "),
+    (dict(block_table=torch.tensor([[3, 1], [0, 4]], dtype=torch.int32).t()), "contiguous last dim"),
+    (dict(block_table=torch.tensor([[3, 1], [5, 4]], dtype=torch.int32)), r"block_table\[1, 0\] = 5 is not a page"),
+    (dict(block_table=torch.tensor([[3, -1], [0, 4]], dtype=torch.int32)), r"block_table\[0, 1\] = -1"),
+    (dict(cache_seqlens=torch.tensor([512, 9], dtype=torch.int32)), "no room past row 512"),
+    (dict(cache_batch_idx=torch.tensor([0, 1], dtype=torch.int32)), "cache_batch_idx cannot be combined"),
+    (dict(cache_leftpad=torch.tensor([0, 1], dtype=torch.int32)), "cache_leftpad cannot be combined"),
+    (dict(rotary_cos=torch.randn(511, 8), rotary_sin=torch.randn(511, 8)), "covers 511 positions, fewer than the "
+     "cache's 512 rows"),
+])
+def test_kvcache_paged_errors(change, message):
+    a = good_paged()
+    a.update(change)
+    with pytest.raises((RuntimeError, ValueError), match=message):
+        flash_attn_with_kvcache(**a)
+
+
+def test_kvcache_paged_unlisted_pages_may_hold_anything():
+    """Table entries past an entry's keys are never read, so they may hold any value."""
+    a = good_paged()
+    a["block_table"][1, 1] = 1000
+    flash_attn_with_kvcache(**a)
+
+
+@pytest.mark.parametrize("change, message", [
     (dict(v=None), "k and v must be given together"),
     (dict(cache_seqlens=None), "cache_seqlens, which must then be given"),
     (dict(cache_seqlens=torch.tensor([3, 10], dtype=torch.int32)), "no room past row 10"),
@@ -264,6 +382,10 @@ def test_kvcache_opcheck():
     a = good()
     args = (a["q"], a["k_cache"], a["v_cache"], a["k"], a["v"], a["cache_seqlens"])
     torch.library.opcheck(torch.ops.flash_attn.fwd_kvcache.default, args, dict(causal=True))
+    a = good_paged()
+    args = (a["q"], a["k_cache"], a["v_cache"], a["k"], a["v"], a["cache_seqlens"])
+    torch.library.opcheck(torch.ops.flash_attn.fwd_kvcache.default, args,
+                          dict(block_table=a["block_table"], causal=True))
 
 
 def test_kvcache_compile_fullgraph():

@@ -28,14 +28,21 @@ __global__ void __launch_bounds__(32 * kCombineRows) flash_fwd_combine_kernel(co
   if (lane == 0) p.softmax_lse_ptr[i] = lse;
   Elem* o = rows_of<Elem>(p.o_ptr, b, h, p.q_row0, p.o_batch_stride, p.o_row_stride, p.o_head_stride) +
             int64_t(row) * p.o_row_stride;
-  for (int col = lane; col < p.d; col += 32) {
-    float acc = 0.f;
-    for (int s = 0; s < p.num_splits; ++s) {
-      const float l = p.lse_accum_ptr[s * step + i];
-      if (l != kNegInf) acc += __expf(l - lse) * p.o_accum_ptr[(s * step + i) * p.d + col];
-    }
-    o[col] = Elem(acc);
+  // The splits walked once, each lane adding its columns (lane, lane + 32, ...; p.d <= kMaxD).
+  constexpr int kMaxD = 256, kCols = kMaxD / 32;
+  float acc[kCols] = {};
+  for (int s = 0; s < p.num_splits; ++s) {
+    const float l = p.lse_accum_ptr[s * step + i];
+    if (l == kNegInf) continue;
+    const float w = __expf(l - lse);
+    const float* part = p.o_accum_ptr + (s * step + i) * p.d;
+#pragma unroll
+    for (int c = 0; c < kCols; ++c)
+      if (lane + 32 * c < p.d) acc[c] += w * part[lane + 32 * c];
   }
+#pragma unroll
+  for (int c = 0; c < kCols; ++c)
+    if (lane + 32 * c < p.d) o[lane + 32 * c] = Elem(acc[c]);
 }
 
 template <typename Elem>

@@ -139,6 +139,7 @@ __global__ void __launch_bounds__(T::kNThreads) flash_fwd_kernel(const FwdParams
   const int m0 = (gridDim.x - 1 - blockIdx.x) * kM, h = blockIdx.y;
   const int b = blockIdx.z / params.num_splits, split = blockIdx.z % params.num_splits;
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4;
+  static_assert(kPageBlockMultiple % kN == 0, "a paged cache's pages must hold whole key tiles");
   constexpr bool dropout = kDropout;
   DropoutState ds{};
   if (dropout) {
@@ -170,11 +171,11 @@ __global__ void __launch_bounds__(T::kNThreads) flash_fwd_kernel(const FwdParams
   }
 
   const auto load_k = [&](int nb, Elem* dst) {
-    load_tile_async<kN, kD, T::kNThreads>(dst, hp.k + int64_t(nb) * kN * p.k_row_stride, p.k_row_stride,
+    load_tile_async<kN, kD, T::kNThreads>(dst, hp.k + key_tile_row(p, b, nb * kN) * p.k_row_stride, p.k_row_stride,
                                           p.seqlen_k - nb * kN, p.d, tid);
   };
   const auto load_v = [&](int nb, Elem* dst) {
-    load_tile_async<kN, kD, T::kNThreads>(dst, hp.v + int64_t(nb) * kN * p.v_row_stride, p.v_row_stride,
+    load_tile_async<kN, kD, T::kNThreads>(dst, hp.v + key_tile_row(p, b, nb * kN) * p.v_row_stride, p.v_row_stride,
                                           p.seqlen_k - nb * kN, p.d, tid);
   };
   load_tile_async<kM, kD, T::kNThreads>(sQ, hp.q + m0 * p.q_row_stride, p.q_row_stride, p.seqlen_q - m0, p.d, tid);

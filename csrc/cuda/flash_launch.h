@@ -60,9 +60,11 @@ inline int fwd_num_splits(const FwdParams& p, int num_sms, int requested) {
 }
 
 // flash_attn_with_kvcache's append: new rows (batch, seqlen_new, h_k, d) of k and v into the cache
-// at rows seqlens[b] + j of entry batch_idx[b] (b where null). Rows that would fall outside the
-// cache (only possible when the host checks were skipped) are dropped. 16-bit elements; strides in
-// elements, (batch, row, head), the head dim contiguous.
+// at rows seqlens[b] + j of entry batch_idx[b] (b where null). Paged (block_table set, no
+// batch_idx): row r of batch entry b is row r % page_block_size of page block_table[b *
+// block_table_stride + r / page_block_size], entries = pages, rows = pages per entry x page rows.
+// Rows that would fall outside the cache (only possible when the host checks were skipped) are
+// dropped. 16-bit elements; strides in elements, (entry or page, row, head), the head dim contiguous.
 struct KvAppendParams {
   const void *k_new, *v_new;
   void *k_cache, *v_cache;
@@ -70,6 +72,9 @@ struct KvAppendParams {
   const int32_t* seqlens;
   const int32_t* batch_idx;
   int b, seqlen_new, h_k, d, entries, rows;
+  const int32_t* block_table = nullptr;
+  int64_t block_table_stride = 0;
+  int page_block_size = 0;
 };
 void kvcache_append(const KvAppendParams& a, cudaStream_t stream);
 

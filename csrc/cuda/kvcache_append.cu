@@ -20,9 +20,14 @@ __global__ void kvcache_append_kernel(const KvAppendParams a) {
     const int col = int(i % a.d), head = int(i / a.d % a.h_k);
     const int64_t br = i / (int64_t(a.d) * a.h_k);
     const int j = int(br % a.seqlen_new), b = int(br / a.seqlen_new);
-    const int e = a.batch_idx != nullptr ? a.batch_idx[b] : b;
-    const int64_t row = int64_t(a.seqlens[b]) + j;
-    if (e < 0 || e >= a.entries || row < 0 || row >= a.rows) continue;
+    int e = a.batch_idx != nullptr ? a.batch_idx[b] : b;
+    int64_t row = int64_t(a.seqlens[b]) + j;
+    if (row < 0 || row >= a.rows) continue;
+    if (a.block_table != nullptr) {  // the row's page, and its row there
+      e = a.block_table[b * a.block_table_stride + row / a.page_block_size];
+      row %= a.page_block_size;
+    }
+    if (e < 0 || e >= a.entries) continue;
     const uint16_t* kn = static_cast<const uint16_t*>(a.k_new) + offset(a.k_new_strides, b, j, head);
     const uint16_t* vn = static_cast<const uint16_t*>(a.v_new) + offset(a.v_new_strides, b, j, head);
     static_cast<uint16_t*>(a.k_cache)[offset(a.k_cache_strides, e, row, head) + col] = kn[col];

@@ -21,6 +21,7 @@ __global__ void __launch_bounds__(T::kNThreads, T::kMinBlocks) flash_fwd_sm90_ke
   using cuda::cp_async_commit;
   using cuda::cp_async_wait;
   constexpr int kD = T::kHeadDim, kM = T::kBlockM, kN = T::kBlockN;
+  static_assert(kPageBlockMultiple % kN == 0, "a paged cache's pages must hold whole key tiles");
   extern __shared__ char smem_raw[];
   CElem* sq_ptr = aligned_smem<T::kSmemAlign, CElem>(smem_raw);
   CElem* sk_ptr = sq_ptr + T::kSmemQ;
@@ -57,9 +58,10 @@ __global__ void __launch_bounds__(T::kNThreads, T::kMinBlocks) flash_fwd_sm90_ke
 
   const auto load_kv = [&](int nb, int stage) {  // K_j and V_j into one buffer
     const int j0 = nb * kN;
-    load_tile_swizzled<kN, kD, T::kNThreads>(sK(_, _, stage), hp.k + int64_t(j0) * p.k_row_stride, p.k_row_stride,
+    const int64_t row = key_tile_row(p, b, j0);
+    load_tile_swizzled<kN, kD, T::kNThreads>(sK(_, _, stage), hp.k + row * p.k_row_stride, p.k_row_stride,
                                              p.seqlen_k - j0, p.d, tid);
-    load_tile_swizzled<kN, kD, T::kNThreads>(sV(_, _, stage), hp.v + int64_t(j0) * p.v_row_stride, p.v_row_stride,
+    load_tile_swizzled<kN, kD, T::kNThreads>(sV(_, _, stage), hp.v + row * p.v_row_stride, p.v_row_stride,
                                              p.seqlen_k - j0, p.d, tid);
   };
   load_tile_swizzled<kM, kD, T::kNThreads>(sQ, hp.q + int64_t(m0) * p.q_row_stride, p.q_row_stride, p.seqlen_q - m0,
