@@ -111,6 +111,9 @@ struct Varlen {
   const std::optional<at::Tensor>& cu_q;
   const std::optional<at::Tensor>& cu_k;
   int64_t max_q, max_k;
+  // k and v are a KV cache (FwdParams::seqused_k says each sequence's keys): cu_k counts them, its
+  // last offset is not k's rows.
+  bool k_cache = false;
   bool present() const { return cu_q.has_value() && cu_q->defined(); }
   int batch() const { return int(cu_q->numel()) - 1; }
 };
@@ -127,7 +130,7 @@ void check_cu_seqlens_tensor(const std::optional<at::Tensor>& cu, const char* na
 }
 
 // The offsets themselves (c: a host copy of n of them): 0 first, non-decreasing, ending at the
-// packed tensor's rows, no sequence longer than max_seqlen.
+// packed tensor's rows (total; unchecked where negative), no sequence longer than max_seqlen.
 void check_cu_seqlens_values(const int32_t* c, int64_t n, const char* name, int64_t total, const char* total_what,
                              int64_t max_seqlen, const char* max_name) {
   TORCH_CHECK(c[0] == 0, "flash_attn: ", name, "[0] must be 0, got ", c[0]);
@@ -137,7 +140,8 @@ void check_cu_seqlens_values(const int32_t* c, int64_t n, const char* name, int6
     TORCH_CHECK(c[i + 1] - c[i] <= max_seqlen, "flash_attn: ", max_name, " = ", max_seqlen,
                 " is smaller than sequence ", i, "'s length ", c[i + 1] - c[i], " (from ", name, ")");
   }
-  TORCH_CHECK(c[n - 1] == total, "flash_attn: ", name, "[-1] must equal ", total_what, " (", total, "), got ", c[n - 1]);
+  TORCH_CHECK(total < 0 || c[n - 1] == total, "flash_attn: ", name, "[-1] must equal ", total_what, " (", total,
+              "), got ", c[n - 1]);
 }
 
 // Both offsets tensors' values. Reading them costs a device-to-host copy (a sync), one for both
@@ -181,7 +185,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> check_varlen(const Varlen& vl, co
               vl.max_q, " and ", vl.max_k);
   checked_int(vl.max_q, "max_seqlen_q");
   checked_int(vl.max_k, "max_seqlen_k");
-  check_offsets_values(vl, q.size(0), k.size(0));
+  check_offsets_values(vl, q.size(0), vl.k_cache ? -1 : k.size(0));
   return {q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)};
 }
 
@@ -585,11 +589,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> run_fwd(
     const ScoreMods& mods, double dropout_p, std::optional<double> softmax_scale, bool causal,
     int64_t window_size_left, int64_t window_size_right, bool return_softmax, const KvCacheRead* kv = nullptr,
     int num_splits = 1) {
-  // A cache is one packed row range that every batch entry sees (batch stride 0); on the CPU in
-  // float32 before the broadcast, which as_float would otherwise copy once per batch entry.
+  // A cache is one packed row range that every batch entry sees (batch stride 0; with varlen q,
+  // the packed rows of a varlen k); on the CPU in float32 before the broadcast, which as_float
+  // would otherwise copy once per batch entry.
   const auto as_cache = [&](const at::Tensor& t) {
     const at::Tensor x = t.is_cpu() ? as_float(t) : t;
-    return x.reshape({1, x.size(0) * x.size(1), x.size(2), x.size(3)}).expand({q_in.size(0), -1, -1, -1});
+    const at::Tensor rows = x.reshape({x.size(0) * x.size(1), x.size(2), x.size(3)});
+    return vl.present() ? rows : rows.unsqueeze(0).expand({q_in.size(0), -1, -1, -1});
   };
   const Call c = check_call(q_in, kv ? as_cache(k_in) : k_in, kv ? as_cache(v_in) : v_in, vl, mask, mods, dropout_p,
                             softmax_scale, window_size_left, window_size_right);
@@ -862,9 +868,11 @@ std::tuple<at::Tensor, at::Tensor> mha_fwd_kvcache_read(const at::Tensor& q, con
                                                         std::optional<double> softmax_scale, bool causal,
                                                         int64_t window_size_left, int64_t window_size_right,
                                                         const std::optional<at::Tensor>& alibi_slopes, double softcap,
-                                                        int64_t num_splits) {
+                                                        int64_t num_splits, const VarlenQuery* varlen) {
   const std::optional<at::Tensor> none;
-  const Varlen vl{none, none, 0, 0};
+  const std::optional<at::Tensor> cu_q = varlen ? std::optional<at::Tensor>(varlen->cu_seqlens_q) : none;
+  const std::optional<at::Tensor> cu_k = varlen ? std::optional<at::Tensor>(varlen->cu_seqlens_k) : none;
+  const Varlen vl{cu_q, cu_k, varlen ? varlen->max_seqlen_q : 0, varlen ? varlen->max_seqlen_k : 0, true};
   auto [out, lse, probs, rng_state] =
       run_fwd(q, k_cache, v_cache, vl, BlockMask{none, none, none}, ScoreMods{none, alibi_slopes, softcap}, 0.0,
               softmax_scale, causal, window_size_left, window_size_right, false, &kv,

@@ -29,17 +29,27 @@ struct KvCacheRead {
   int pages_per_entry = 0;
 };
 
-// The forward of q (batch, seqlen_q, nheads, headdim; any strides) over k_cache and v_cache
-// (entries, rows, nheads_k, headdim) as kv says. The caller has checked kv's values (or the
-// kernels clamp them into the cache). On CUDA the cache must need no copy to reach the kernels:
-// 16-byte aligned rows, headdim a multiple of 8. num_splits: CTAs sharing each query block's keys
-// on CUDA (0: a heuristic, 1: none). Returns out (q's shape and strides) and softmax_lse (batch,
-// nheads, seqlen_q).
+// Queries packed as in flash_attn_varlen_func (q (total_q, nheads, headdim), cu_seqlens_q) over a
+// cache: sequence i's keys are the cache read's (KvCacheRead::seqused); cu_seqlens_k and
+// max_seqlen_k describe the same counts (checked: offsets from 0, non-decreasing, each at most
+// max_seqlen_k; their last value is not the cache's rows).
+struct VarlenQuery {
+  const at::Tensor& cu_seqlens_q;
+  const at::Tensor& cu_seqlens_k;
+  int64_t max_seqlen_q, max_seqlen_k;
+};
+
+// The forward of q (batch, seqlen_q, nheads, headdim; any strides; with varlen, packed as it says)
+// over k_cache and v_cache (entries, rows, nheads_k, headdim) as kv says. The caller has checked
+// kv's values (or the kernels clamp them into the cache). On CUDA the cache must need no copy to
+// reach the kernels: 16-byte aligned rows, headdim a multiple of 8. num_splits: CTAs sharing each
+// query block's keys on CUDA (0: a heuristic, 1: none). Returns out (q's shape and strides) and
+// softmax_lse (batch, nheads, seqlen_q), with varlen (nheads, total_q).
 std::tuple<at::Tensor, at::Tensor> mha_fwd_kvcache_read(const at::Tensor& q, const at::Tensor& k_cache,
                                                         const at::Tensor& v_cache, const KvCacheRead& kv,
                                                         std::optional<double> softmax_scale, bool causal,
                                                         int64_t window_size_left, int64_t window_size_right,
                                                         const std::optional<at::Tensor>& alibi_slopes, double softcap,
-                                                        int64_t num_splits);
+                                                        int64_t num_splits, const VarlenQuery* varlen = nullptr);
 
 }  // namespace flash

@@ -2,7 +2,8 @@
 // (applied by the Python wrapper): new keys and values appended to the cache in place, then
 // attention over each batch entry's keys, cache rows [cache_leftpad[i], cache_seqlens[i] + new) of
 // cache entry cache_batch_idx[i], or of the pages block_table[i] lists (a paged cache), which the
-// kernels read in place (FwdParams::seqused_k, FwdParams::block_table). Forward only.
+// kernels read in place (FwdParams::seqused_k, FwdParams::block_table). flash_attn::fwd_varlen_paged:
+// flash_attn_varlen_func with block_table, packed queries over a paged cache. Forward only.
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
@@ -11,6 +12,7 @@
 #include <limits>
 #include <optional>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 #include "flash_api.h"
@@ -28,11 +30,16 @@ namespace {
 
 using OptTensor = std::optional<at::Tensor>;
 
-void check_rank4(const at::Tensor& t, const char* name, const char* shape) {
-  TORCH_CHECK(t.defined(), "flash_attn_with_kvcache: ", name, " must be a tensor, got None");
-  TORCH_CHECK(t.dim() == 4, "flash_attn_with_kvcache: ", name, " must have shape ", shape, ", got a tensor of rank ",
-              t.dim(), " with shape ", t.sizes());
+constexpr const char* kKvcache = "flash_attn_with_kvcache";
+constexpr const char* kVarlen = "flash_attn_varlen_func";
+
+// fn: the Python function the error messages name.
+void check_rank(const char* fn, const at::Tensor& t, int64_t rank, const char* name, const char* shape) {
+  TORCH_CHECK(t.defined(), fn, ": ", name, " must be a tensor, got None");
+  TORCH_CHECK(t.dim() == rank, fn, ": ", name, " must have shape ", shape, ", got a tensor of rank ", t.dim(),
+              " with shape ", t.sizes());
 }
+void check_rank4(const at::Tensor& t, const char* name, const char* shape) { check_rank(kKvcache, t, 4, name, shape); }
 
 // An int32 vector of one entry per batch entry, on q's device.
 void check_per_batch(const at::Tensor& t, const char* name, int64_t batch, const at::Tensor& q) {
@@ -41,6 +48,15 @@ void check_per_batch(const at::Tensor& t, const char* name, int64_t batch, const
               " must have shape (batch,) = (", batch, ",), got ", t.sizes());
   TORCH_CHECK(t.device() == q.device(), "flash_attn_with_kvcache: ", name, " must be on the device of q (", q.device(),
               "), got ", t.device());
+}
+
+// Row i of a block table (on the host): the pages that hold its first `keys` keys are pages of the
+// cache (entries of it).
+void check_pages(const char* fn, const int32_t* row, int64_t i, int64_t keys, int64_t page_rows, int64_t entries) {
+  for (int64_t j = 0; j * page_rows < keys; ++j)
+    TORCH_CHECK(row[j] >= 0 && row[j] < entries, fn, ": block_table[", i, ", ", j, "] = ", row[j],
+                " is not a page of k_cache (", entries, " pages), and sequence ", i, "'s ", keys, " keys reach page ",
+                j);
 }
 
 // The per-batch values, read on the host in one copy (a device sync; skipped where
@@ -70,30 +86,27 @@ void check_values(const at::Tensor& seqlens, int64_t new_keys, const OptTensor& 
                 " must be in [0, ", pn[i] + new_keys, "] (0 to that entry's keys)");
     TORCH_CHECK(!pi || (pi[i] >= 0 && pi[i] < entries), "flash_attn_with_kvcache: cache_batch_idx[", i, "] = ",
                 pi ? pi[i] : 0, " is not an entry of k_cache (", entries, " entries)");
-    for (int64_t j = 0; pt && j * page_rows < pn[i] + new_keys; ++j)
-      TORCH_CHECK(pt[i * pages + j] >= 0 && pt[i * pages + j] < entries, "flash_attn_with_kvcache: block_table[", i,
-                  ", ", j, "] = ", pt[i * pages + j], " is not a page of k_cache (", entries, " pages), and that "
-                  "entry's keys reach page ", j);
+    if (pt) check_pages(kKvcache, pt + i * pages, i, pn[i] + new_keys, page_rows, entries);
   }
 }
 
 // A paged cache: block_table (batch, pages per entry) int32 of page indices, and pages of a
 // multiple of kPageBlockMultiple rows (flash-attn 2.x's rule: a page then holds whole key tiles).
-void check_block_table(const at::Tensor& t, int64_t batch, const at::Tensor& q, const at::Tensor& k_cache,
-                       bool batch_idx, bool leftpad) {
-  TORCH_CHECK(t.scalar_type() == at::kInt, "flash_attn_with_kvcache: block_table must be int32, got ", t.scalar_type());
-  TORCH_CHECK(t.dim() == 2 && t.size(0) == batch, "flash_attn_with_kvcache: block_table must have shape (batch, "
-              "max_num_blocks_per_seq) = (", batch, ", n), got ", t.sizes());
-  TORCH_CHECK(t.device() == q.device(), "flash_attn_with_kvcache: block_table must be on the device of q (",
-              q.device(), "), got ", t.device());
-  TORCH_CHECK(t.size(1) <= 1 || t.stride(1) == 1, "flash_attn_with_kvcache: block_table must have a contiguous last "
-              "dim, got strides ", t.strides());
-  TORCH_CHECK(k_cache.size(1) > 0 && k_cache.size(1) % kPageBlockMultiple == 0, "flash_attn_with_kvcache: with "
-              "block_table, k_cache is (num_blocks, page_block_size, nheads_k, headdim) and page_block_size must be a "
-              "positive multiple of ", kPageBlockMultiple, ", got ", k_cache.size(1));
-  TORCH_CHECK(!batch_idx, "flash_attn_with_kvcache: cache_batch_idx cannot be combined with block_table (the table "
-              "already says which pages each batch entry reads)");
-  TORCH_CHECK(!leftpad, "flash_attn_with_kvcache: cache_leftpad cannot be combined with block_table");
+void check_block_table(const char* fn, const at::Tensor& t, int64_t batch, const at::Tensor& q,
+                       const at::Tensor& k_cache) {
+  TORCH_CHECK(t.scalar_type() == at::kInt, fn, ": block_table must be int32, got ", t.scalar_type());
+  TORCH_CHECK(t.dim() == 2 && t.size(0) == batch, fn, ": block_table must have shape (batch, max_num_blocks_per_seq) "
+              "= (", batch, ", n), got ", t.sizes());
+  TORCH_CHECK(t.device() == q.device(), fn, ": block_table must be on the device of q (", q.device(), "), got ",
+              t.device());
+  TORCH_CHECK(t.size(1) <= 1 || t.stride(1) == 1, fn, ": block_table must have a contiguous last dim, got strides ",
+              t.strides());
+  TORCH_CHECK(k_cache.size(1) > 0 && k_cache.size(1) % kPageBlockMultiple == 0, fn, ": with block_table, k_cache is "
+              "(num_blocks, page_block_size, nheads_k, headdim) and page_block_size must be a positive multiple of ",
+              kPageBlockMultiple, ", got ", k_cache.size(1));
+  TORCH_CHECK(int64_t(t.size(1)) * k_cache.size(1) <= std::numeric_limits<int>::max() &&
+              k_cache.size(0) * k_cache.size(1) <= std::numeric_limits<int>::max(),
+              fn, ": block_table's pages and the cache's rows must fit in 32 bits");
 }
 
 // New keys and values: (batch, seqlen_new, nheads_k, headdim), the cache's dtype and device.
@@ -146,13 +159,70 @@ void append(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& kn, cons
 
 // The kernels read a CUDA cache in place, which needs what cp.async needs (flash_api.cpp's
 // cuda_operand would copy it otherwise): 16-byte aligned rows, the head dim a multiple of 8.
-void check_cache_in_place(const at::Tensor& t, const char* name) {
+void check_cache_in_place(const char* fn, const at::Tensor& t, const char* name) {
   if (!t.is_cuda()) return;
   bool ok = reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0 && t.size(3) % 8 == 0 && t.stride(3) == 1;
   for (int i = 0; i < 3; ++i) ok = ok && (t.size(i) <= 1 || t.stride(i) % 8 == 0);
-  TORCH_CHECK(ok, "flash_attn_with_kvcache: on CUDA ", name, " must have a head dim that is a multiple of 8, "
+  TORCH_CHECK(ok, fn, ": on CUDA ", name, " must have a head dim that is a multiple of 8, "
               "16-byte aligned data and strides that are multiples of 8 elements, got shape ", t.sizes(),
               " and strides ", t.strides());
+}
+
+// The varlen op's key counts and block table, read on the host in one copy (with the index
+// checks' policy): each count in [0, the table's rows], the pages holding them pages of the cache;
+// unit_cu_q (one query per sequence): cu_seqlens_q is 0, 1, ..., batch.
+void check_varlen_pages(const at::Tensor& keys, const at::Tensor& table, int64_t page_rows, int64_t rows,
+                        int64_t entries, const at::Tensor* unit_cu_q) {
+  if (!index_value_checks_wanted(keys)) return;
+  const int64_t b = keys.numel(), pages = table.size(1);
+  std::vector<at::Tensor> parts{keys, table.reshape({-1})};
+  if (unit_cu_q) parts.push_back(*unit_cu_q);
+  const at::Tensor host = at::cat(parts).to(at::kCPU);
+  const int32_t* pk = host.data_ptr<int32_t>();
+  for (int64_t i = 0; i < b; ++i) {
+    TORCH_CHECK(pk[i] >= 0 && pk[i] <= rows, kVarlen, ": sequence ", i, " has ", pk[i], " keys (cu_seqlens_k[", i + 1,
+                "] - cu_seqlens_k[", i, "]); with block_table that must be in [0, ", rows, "], the rows of its ",
+                pages, " pages");
+    check_pages(kVarlen, pk + b + i * pages, i, pk[i], page_rows, entries);
+  }
+  for (int64_t i = 0; unit_cu_q && i <= b; ++i)
+    TORCH_CHECK(pk[b + b * pages + i] == i, kVarlen, ": cu_seqlens_q must be 0, 1, ..., ", b, " when q has one row per "
+                "sequence and max_seqlen_q = 1, got cu_seqlens_q[", i, "] = ", pk[b + b * pages + i]);
+}
+
+// Attention of q over the cache as kv (and block_table, where given) says, shared by the two ops.
+// q (batch, seqlen_q, nheads, headdim), or packed as varlen says. One decoding query per head
+// under GQA (padded q): the g query heads of a key head become g query rows of it (causal then
+// changes nothing: one query sees every key), so each key tile is read once per key head rather
+// than once per query head: q (b, 1, h, d) seen as (b, g, h_k, d). Not with a window or ALiBi,
+// which differ per row or head.
+std::tuple<at::Tensor, at::Tensor> read_cache(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                              KvCacheRead kv, const OptTensor& table,
+                                              std::optional<double> softmax_scale, bool causal,
+                                              int64_t window_size_left, int64_t window_size_right,
+                                              const OptTensor& alibi_slopes, double softcap, int64_t num_splits,
+                                              const VarlenQuery* varlen = nullptr) {
+  const int64_t b = varlen ? varlen->cu_seqlens_q.numel() - 1 : q.size(0);
+  const int64_t h = q.size(-2), hk = k_cache.size(2), g = hk > 0 ? h / hk : 1;
+  const bool fold = !varlen && q.size(1) == 1 && g > 1 && h % hk == 0 && window_size_left < 0 &&
+                    window_size_right < 0 && !(alibi_slopes && alibi_slopes->defined());
+  const at::Tensor qv = fold ? q.reshape({b, hk, g, q.size(3)}).transpose(1, 2) : q;
+  at::Tensor k_read = k_cache, v_read = v_cache;
+  if (table && k_cache.is_cuda()) {  // the kernels follow the table
+    kv.block_table = table->data_ptr<int32_t>();
+    kv.block_table_stride = table->stride(0);
+    kv.pages_per_entry = int(table->size(1));
+  } else if (table) {  // the CPU reads each entry's pages gathered into rows (unused ones clamped, like CUDA's)
+    const int64_t rows = table->size(1) * k_cache.size(1);
+    const at::Tensor pages = table->reshape({-1}).to(at::kLong).clamp(0, std::max<int64_t>(k_cache.size(0) - 1, 0));
+    k_read = k_cache.index_select(0, pages).view({b, rows, k_cache.size(2), k_cache.size(3)});
+    v_read = v_cache.index_select(0, pages).view({b, rows, v_cache.size(2), v_cache.size(3)});
+  }
+  auto [out, lse] = mha_fwd_kvcache_read(qv, k_read, v_read, kv, softmax_scale, causal && !fold, window_size_left,
+                                         window_size_right, alibi_slopes, softcap, num_splits, varlen);
+  if (fold)  // out has qv's strides: (b, g, h_k, d) over (b, 1, h, d) memory; lse (b, h_k, g) = (b, h, 1)
+    return {out.transpose(1, 2).reshape({b, 1, h, out.size(3)}), lse.reshape({b, h, 1})};
+  return {out.contiguous(), lse};
 }
 
 // q: (batch, seqlen_q, nheads, headdim); k_cache, v_cache: (batch_cache, seqlen_cache, nheads_k,
@@ -177,7 +247,12 @@ std::tuple<at::Tensor, at::Tensor> mha_fwd_kvcache(const at::Tensor& q, at::Tens
   TORCH_CHECK(v_cache.sizes() == k_cache.sizes(), "flash_attn_with_kvcache: v_cache must have the shape of k_cache ",
               k_cache.sizes(), ", got ", v_cache.sizes());
   const int64_t b = q.size(0), sq = q.size(1), entries = k_cache.size(0);
-  if (table) check_block_table(*table, b, q, k_cache, idx.has_value(), lp.has_value());
+  if (table) {
+    check_block_table(kKvcache, *table, b, q, k_cache);
+    TORCH_CHECK(!idx, "flash_attn_with_kvcache: cache_batch_idx cannot be combined with block_table (the table "
+                "already says which pages each batch entry reads)");
+    TORCH_CHECK(!lp, "flash_attn_with_kvcache: cache_leftpad cannot be combined with block_table");
+  }
   // Rows of one batch entry's cache: a paged entry spans its block table row's pages.
   const int64_t rows = table ? table->size(1) * k_cache.size(1) : k_cache.size(1);
   TORCH_CHECK(kn.has_value() == vn.has_value(), "flash_attn_with_kvcache: k and v must be given together, got ",
@@ -205,36 +280,60 @@ std::tuple<at::Tensor, at::Tensor> mha_fwd_kvcache(const at::Tensor& q, at::Tens
   constexpr int64_t kIntMax = std::numeric_limits<int>::max();
   TORCH_CHECK(b * sq <= kIntMax && entries * k_cache.size(1) <= kIntMax && rows <= kIntMax,
               "flash_attn_with_kvcache: batch x seqlen must fit in 32 bits for q and for the cache");
-  check_cache_in_place(k_cache, "k_cache");
-  check_cache_in_place(v_cache, "v_cache");
+  check_cache_in_place(kKvcache, k_cache, "k_cache");
+  check_cache_in_place(kKvcache, v_cache, "v_cache");
   check_values(seqlens, new_keys, idx, lp, table, k_cache.size(1), rows, entries);
 
   if (kn) append(k_cache, v_cache, *kn, *vn, seqlens, idx, table, rows);
-  // One decoding query per head under GQA: the g query heads of a key head become g query rows of
-  // it (causal then changes nothing: one query sees every key), so each key tile is read once per
-  // key head rather than once per query head: q (b, 1, h, d) seen as (b, g, h_k, d). Not with
-  // a window or ALiBi, which differ per row or head.
-  const int64_t h = q.size(2), hk = k_cache.size(2), g = hk > 0 ? h / hk : 1;
-  const bool fold = sq == 1 && g > 1 && h % hk == 0 && window_size_left < 0 && window_size_right < 0 &&
-                    !(alibi_slopes && alibi_slopes->defined());
-  const at::Tensor qv = fold ? q.reshape({b, hk, g, q.size(3)}).transpose(1, 2) : q;
-  KvCacheRead kv{seqlens.data_ptr<int32_t>(), idx ? idx->data_ptr<int32_t>() : nullptr,
-                 lp ? lp->data_ptr<int32_t>() : nullptr, int(new_keys)};
-  at::Tensor k_read = k_cache, v_read = v_cache;
-  if (table && k_cache.is_cuda()) {  // the kernels follow the table
-    kv.block_table = table->data_ptr<int32_t>();
-    kv.block_table_stride = table->stride(0);
-    kv.pages_per_entry = int(table->size(1));
-  } else if (table) {  // the CPU reads each entry's pages gathered into rows (unused ones clamped, like CUDA's)
-    const at::Tensor pages = table->reshape({-1}).to(at::kLong).clamp(0, std::max<int64_t>(entries - 1, 0));
-    k_read = k_cache.index_select(0, pages).view({b, rows, k_cache.size(2), k_cache.size(3)});
-    v_read = v_cache.index_select(0, pages).view({b, rows, v_cache.size(2), v_cache.size(3)});
+  const KvCacheRead kv{seqlens.data_ptr<int32_t>(), idx ? idx->data_ptr<int32_t>() : nullptr,
+                       lp ? lp->data_ptr<int32_t>() : nullptr, int(new_keys)};
+  return read_cache(q, k_cache, v_cache, kv, table, softmax_scale, causal, window_size_left, window_size_right,
+                    alibi_slopes, softcap, num_splits);
+}
+
+// flash_attn_varlen_func with block_table: packed queries (total_q, nheads, headdim), sequence i
+// at rows cu_seqlens_q[i] .. cu_seqlens_q[i + 1] - 1, over the first cu_seqlens_k[i + 1] -
+// cu_seqlens_k[i] keys of the pages block_table[i] lists (k_cache, v_cache: (num_blocks,
+// page_block_size, nheads_k, headdim)). Returns out (total_q, nheads, headdim) and softmax_lse
+// (nheads, total_q). Forward only.
+std::tuple<at::Tensor, at::Tensor> mha_varlen_fwd_paged(const at::Tensor& q, const at::Tensor& k_cache,
+                                                        const at::Tensor& v_cache, const at::Tensor& cu_seqlens_q,
+                                                        const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q,
+                                                        int64_t max_seqlen_k, const at::Tensor& block_table,
+                                                        std::optional<double> softmax_scale, bool causal,
+                                                        int64_t window_size_left, int64_t window_size_right,
+                                                        const OptTensor& alibi_slopes, double softcap) {
+  check_rank(kVarlen, q, 3, "q", "(total_q, nheads, headdim)");
+  check_rank(kVarlen, k_cache, 4, "k_cache", "(num_blocks, page_block_size, nheads_k, headdim) with block_table");
+  check_rank(kVarlen, v_cache, 4, "v_cache", "(num_blocks, page_block_size, nheads_k, headdim) with block_table");
+  TORCH_CHECK(v_cache.sizes() == k_cache.sizes(), kVarlen, ": v_cache must have the shape of k_cache ",
+              k_cache.sizes(), ", got ", v_cache.sizes());
+  for (const auto& [t, name] : {std::pair{&cu_seqlens_q, "cu_seqlens_q"}, std::pair{&cu_seqlens_k, "cu_seqlens_k"}}) {
+    TORCH_CHECK(t->scalar_type() == at::kInt && t->dim() == 1 && t->numel() >= 1 && t->device() == q.device(),
+                kVarlen, ": ", name, " must be a 1-D int32 tensor of batch + 1 offsets on q's device, got ",
+                t->scalar_type(), " of shape ", t->sizes(), " on ", t->device());
   }
-  auto [out, lse] = mha_fwd_kvcache_read(qv, k_read, v_read, kv, softmax_scale, causal && !fold, window_size_left,
-                                         window_size_right, alibi_slopes, softcap, num_splits);
-  if (fold)  // out has qv's strides: (b, g, h_k, d) over (b, 1, h, d) memory; lse (b, h_k, g) = (b, h, 1)
-    return {out.transpose(1, 2).reshape({b, 1, h, out.size(3)}), lse.reshape({b, h, 1})};
-  return {out.contiguous(), lse};
+  TORCH_CHECK(cu_seqlens_q.numel() == cu_seqlens_k.numel(), kVarlen, ": cu_seqlens_q and cu_seqlens_k must have the "
+              "same length (batch + 1), got ", cu_seqlens_q.numel(), " and ", cu_seqlens_k.numel());
+  const int64_t b = cu_seqlens_k.numel() - 1, entries = k_cache.size(0);
+  check_block_table(kVarlen, block_table, b, q, k_cache);
+  const int64_t rows = block_table.size(1) * k_cache.size(1);
+  TORCH_CHECK(entries > 0 || b == 0, kVarlen, ": k_cache has no pages for ", b, " sequences");
+  check_cache_in_place(kVarlen, k_cache, "k_cache");
+  check_cache_in_place(kVarlen, v_cache, "v_cache");
+  // Each sequence's key count, and (one decoding query per sequence) the fold's read as a padded batch.
+  const at::Tensor keys = cu_seqlens_k.narrow(0, 1, b) - cu_seqlens_k.narrow(0, 0, b);
+  const bool one_query_each = max_seqlen_q == 1 && q.size(0) == b;
+  check_varlen_pages(keys, block_table, k_cache.size(1), rows, entries, one_query_each ? &cu_seqlens_q : nullptr);
+  const KvCacheRead kv{keys.data_ptr<int32_t>(), nullptr, nullptr, 0};
+  if (one_query_each) {  // sequence i is query row i: a batch of one query each (GQA folds there)
+    auto [out, lse] = read_cache(q.unsqueeze(1), k_cache, v_cache, kv, block_table, softmax_scale, causal,
+                                 window_size_left, window_size_right, alibi_slopes, softcap, 0);
+    return {out.squeeze(1), lse.squeeze(2).t().contiguous()};
+  }
+  const VarlenQuery vq{cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k};
+  return read_cache(q, k_cache, v_cache, kv, block_table, softmax_scale, causal, window_size_left, window_size_right,
+                    alibi_slopes, softcap, 0, &vq);
 }
 
 }  // namespace
@@ -247,10 +346,22 @@ TORCH_LIBRARY_FRAGMENT(flash_attn, m) {
       "Tensor? block_table=None, "
       "float? softmax_scale=None, bool causal=False, int window_size_left=-1, int window_size_right=-1, "
       "Tensor? alibi_slopes=None, float softcap=0., int num_splits=0) -> (Tensor out, Tensor softmax_lse)");
+
+  m.def(
+      "fwd_varlen_paged(Tensor q, Tensor k_cache, Tensor v_cache, Tensor cu_seqlens_q, Tensor cu_seqlens_k, "
+      "int max_seqlen_q, int max_seqlen_k, Tensor block_table, float? softmax_scale=None, bool causal=False, "
+      "int window_size_left=-1, int window_size_right=-1, Tensor? alibi_slopes=None, float softcap=0.) "
+      "-> (Tensor out, Tensor softmax_lse)");
 }
 
-TORCH_LIBRARY_IMPL(flash_attn, CPU, m) { m.impl("fwd_kvcache", &flash::mha_fwd_kvcache); }
+TORCH_LIBRARY_IMPL(flash_attn, CPU, m) {
+  m.impl("fwd_kvcache", &flash::mha_fwd_kvcache);
+  m.impl("fwd_varlen_paged", &flash::mha_varlen_fwd_paged);
+}
 
 #ifdef FLASH_ATTN_WITH_CUDA
-TORCH_LIBRARY_IMPL(flash_attn, CUDA, m) { m.impl("fwd_kvcache", &flash::mha_fwd_kvcache); }
+TORCH_LIBRARY_IMPL(flash_attn, CUDA, m) {
+  m.impl("fwd_kvcache", &flash::mha_fwd_kvcache);
+  m.impl("fwd_varlen_paged", &flash::mha_varlen_fwd_paged);
+}
 #endif

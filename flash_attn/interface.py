@@ -61,9 +61,7 @@ def max_length(n):
     return n if isinstance(n, torch.SymInt) else int(n)
 
 
-def _varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table=None) -> dict:
-    if block_table is not None:
-        raise NotImplementedError("flash_attn: block_table (paged KV cache) is not supported yet (pass block_table=None)")
+def _varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) -> dict:
     return dict(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_length(max_seqlen_q),
                 max_seqlen_k=max_length(max_seqlen_k))
 
@@ -156,10 +154,20 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     total_q) and S_dmask (batch, nheads, max_seqlen_q, max_seqlen_k), zero past each sequence.
     Checking the offsets reads them on the host (a device sync in the forward; skipped while a
     CUDA graph is being captured and when FLASH_ATTN_SKIP_VARLEN_CHECKS=1).
+
+    block_table (batch, max_num_blocks_per_seq) int32: k and v are a paged KV cache (num_blocks,
+    page_block_size, nheads_k, headdim), page_block_size a multiple of 256, and sequence i's keys
+    are the first cu_seqlens_k[i + 1] - cu_seqlens_k[i] rows of the pages block_table[i] lists
+    (flash_attn_with_kvcache's layout). Forward only: no dropout, no gradient (a clear error where
+    one is asked for); return_attn_probs gives (out, softmax_lse, None).
     """
+    if block_table is not None:
+        from .kvcache import varlen_paged_forward
+        return varlen_paged_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table,
+                                    dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                                    return_attn_probs)
     return _attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
-                      return_attn_probs, varlen=_varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                                        block_table))
+                      return_attn_probs, varlen=_varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k))
 
 
 def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0, softmax_scale=None, causal=False,

@@ -86,3 +86,20 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                                    block_table, softmax_scale, bool(causal), left, right, alibi_slopes, float(softcap),
                                    int(num_splits))
     return (out, lse) if return_softmax_lse else out
+
+
+def varlen_paged_forward(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table,
+                         dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                         alibi_slopes=None, return_attn_probs=False):
+    """flash_attn_varlen_func with block_table (see there): packed queries over a paged cache."""
+    if dropout_p != 0.0:
+        raise NotImplementedError(f"flash_attn_varlen_func: with block_table (a paged KV cache) the call is "
+                                  f"inference only: dropout_p must be 0, got {dropout_p}")
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k_cache, v_cache)):
+        raise NotImplementedError("flash_attn_varlen_func: with block_table (a paged KV cache) there is no gradient; "
+                                  "call it under torch.no_grad() or pass tensors that do not require grad")
+    left, right = _window(window_size)
+    out, lse = ops.fwd_varlen_paged(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q),
+                                    int(max_seqlen_k), block_table, softmax_scale, bool(causal), left, right,
+                                    alibi_slopes, float(softcap))
+    return (out, lse, None) if return_attn_probs else out

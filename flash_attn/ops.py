@@ -12,6 +12,7 @@ from . import _library  # noqa: F401  (registers the ops)
 fwd = torch.ops.flash_attn.fwd.default
 fwd_kvcache = torch.ops.flash_attn.fwd_kvcache.default
 bwd = torch.ops.flash_attn.bwd.default
+fwd_varlen_paged = torch.ops.flash_attn.fwd_varlen_paged.default
 
 
 @torch.library.register_fake("flash_attn::fwd")
@@ -44,7 +45,15 @@ def _bwd_fake(dout, q, k, v, out, softmax_lse, dropout_p=0.0, softmax_scale=None
 
 @torch.library.register_fake("flash_attn::fwd_kvcache")
 def _fwd_kvcache_fake(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, cache_batch_idx=None,
-                      cache_leftpad=None, block_table=None, softmax_scale=None, causal=False, window_size_left=-1, window_size_right=-1,
-                      alibi_slopes=None, softcap=0.0, num_splits=0):
+                      cache_leftpad=None, block_table=None, softmax_scale=None, causal=False, window_size_left=-1,
+                      window_size_right=-1, alibi_slopes=None, softcap=0.0, num_splits=0):
     b, sq, h, _ = q.shape
     return q.new_empty(q.shape), q.new_empty((b, h, sq), dtype=torch.float32)
+
+
+@torch.library.register_fake("flash_attn::fwd_varlen_paged")
+def _fwd_varlen_paged_fake(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table,
+                           softmax_scale=None, causal=False, window_size_left=-1, window_size_right=-1,
+                           alibi_slopes=None, softcap=0.0):
+    total_q, h, _ = q.shape
+    return q.new_empty(q.shape), q.new_empty((h, total_q), dtype=torch.float32)

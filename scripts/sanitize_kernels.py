@@ -7,7 +7,8 @@ block-sparse (a random 128 x 128 layout with an empty query block), varlen (pack
 lengths 0 to 200, the last one ending at the tensor's end) and score modifiers (a broadcast bias
 with its gradient, ALiBi, softcap), atomic and deterministic dQ; KV-cache reads (flash_attn_with_kvcache
 with an append, cache_batch_idx and cache_leftpad, the last entry's keys ending at the cache's end;
-decoding tiles with and without split-KV, the GQA fold, a prefill; a paged cache).
+decoding tiles with and without split-KV, the GQA fold, a prefill; a paged cache, also under
+flash_attn_varlen_func).
 The persistent sm90 forward and backward run on two CTAs (FLASH_ATTN_SM90_FWD_PERSISTENT=2,
 FLASH_ATTN_SM90_BWD_PERSISTENT=2), so that each walks many tiles and claims them from the counter.
 Usage: sanitize_kernels.py [all|dense|blocksparse|varlen|mods|kvcache] (racecheck of "all" takes several minutes)."""
@@ -28,6 +29,8 @@ cu_q, cu_k = (torch.tensor([0] + list(torch.tensor(x).cumsum(0)), dtype=torch.in
 cache_index = dict(cache_seqlens=torch.tensor([0, 77, 148], dtype=torch.int32, device="cuda"),
                    cache_batch_idx=torch.tensor([1, 0, 2], dtype=torch.int32, device="cuda"),
                    cache_leftpad=torch.tensor([0, 10, 3], dtype=torch.int32, device="cuda"))
+offsets = lambda lens: torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(),  # noqa: E731
+                                   dtype=torch.int32, device="cuda")
 page_table = torch.tensor([[4, 0], [1, 3], [2, 4]], dtype=torch.int32, device="cuda")
 paged_seqlens = torch.tensor([0, 300, 510], dtype=torch.int32, device="cuda")
 which = sys.argv[1] if len(sys.argv) > 1 else "all"
@@ -74,6 +77,10 @@ for portable, sync, rows in (("0", "0", ""), ("0", "0", "192"), ("0", "1", ""), 
                         flash_attn_with_kvcache(torch.randn(3, sq, 2, d, device="cuda", dtype=dtype), kp, vp, kn, vn,
                                                 causal=causal, num_splits=splits, block_table=page_table,
                                                 cache_seqlens=paged_seqlens)
+                    for lq in ([1, 1, 1], [0, 70, 3]):  # packed queries over the pages (decoding, mixed)
+                        flash_attn_varlen_func(torch.randn(sum(lq), 2, d, device="cuda", dtype=dtype), kp, vp,
+                                               offsets(lq), offsets([0, 300, 512]), max(lq), 512, causal=causal,
+                                               block_table=page_table)
                 q, k, v = [torch.randn(1, 300, 2, d, device="cuda", dtype=dtype, requires_grad=True) for _ in range(3)]
                 for deterministic in (False, True) if which in ("all", "blocksparse") else ():
                     out, _, _ = flash_attn_blocksparse_func(q, k, v, mask, dropout_p=dropout_p, causal=causal,

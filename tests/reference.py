@@ -131,3 +131,39 @@ def check_grads_against_reference(q, k, v, out, dout, grads, dtype, **kw):
     for name, g, rg, pg in zip(("dq", "dk", "dv"), grads, ref_grads, pt_grads):
         check_rule(name, g, rg, pg, dtype)
     return ref_probs
+
+
+def lse_ref(q, k, causal=False, window_size=(-1, -1), softcap=0.0, softmax_scale=None, alibi_slopes=None):
+    """The rows' logsumexp of the scores attention_ref uses, float64 ((batch, heads, seqlen_q))."""
+    q, k = q.double(), k.double().repeat_interleave(q.shape[2] // k.shape[2], dim=2)
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    scores = torch.einsum("bihd,bjhd->bhij", q * scale, k)
+    if softcap > 0:
+        scores = softcap * torch.tanh(scores / softcap)
+    if alibi_slopes is not None:
+        scores = scores + alibi_bias(alibi_slopes, q.shape[1], k.shape[1], q.device).double()
+    visible = visible_mask(q.shape[1], k.shape[1], causal, window_size, q.device)
+    return scores.masked_fill(~visible, float("-inf")).logsumexp(-1)
+
+
+def page_table(b, n, pages, device):
+    """A block table of n pages for each of b entries, drawn in shuffled order from `pages`
+    (the rest unused), as a column slice of a wider table (a row stride past its width)."""
+    order = torch.randperm(pages, device=device)
+    wide = torch.full((b, n + 2), -1, dtype=torch.int32, device=device)
+    wide[:, :n] = order[:b * n].view(b, n).to(torch.int32)
+    return wide[:, :n]
+
+
+def to_pages(cache, table, pages):
+    """A (b, rows, hk, d) cache as `pages` pages of rows / n rows where table says, NaN elsewhere."""
+    b, n = table.shape
+    out = torch.full((pages, cache.shape[1] // n) + cache.shape[2:], float("nan"), dtype=cache.dtype,
+                     device=cache.device)
+    out[table.long()] = cache.view(b, n, -1, *cache.shape[2:])
+    return out
+
+
+def from_pages(pages, table):
+    """The paged cache read back entry by entry: (b, rows, hk, d)."""
+    return pages[table.long()].flatten(1, 2)

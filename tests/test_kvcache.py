@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from flash_attn import flash_attn_func, flash_attn_with_kvcache
-from reference import attention_ref, check_rule
+from reference import attention_ref, check_rule, from_pages, lse_ref, page_table, to_pages
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
@@ -30,20 +30,6 @@ def rotate_ref(x, cos, sin, pos, interleaved):
         x1, x2 = xr[..., :rot // 2], xr[..., rot // 2:]
         y = torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
     return torch.cat((y.to(x.dtype), x[..., rot:]), dim=-1)
-
-
-def lse_ref(q, k, causal=False, window_size=(-1, -1), softcap=0.0, softmax_scale=None, alibi_slopes=None):
-    """The rows' logsumexp of the scores attention_ref uses, float64 ((batch, heads, seqlen_q))."""
-    from reference import alibi_bias, visible_mask
-    q, k = q.double(), k.double().repeat_interleave(q.shape[2] // k.shape[2], dim=2)
-    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    scores = torch.einsum("bihd,bjhd->bhij", q * scale, k)
-    if softcap > 0:
-        scores = softcap * torch.tanh(scores / softcap)
-    if alibi_slopes is not None:
-        scores = scores + alibi_bias(alibi_slopes, q.shape[1], k.shape[1], q.device).double()
-    visible = visible_mask(q.shape[1], k.shape[1], causal, window_size, q.device)
-    return scores.masked_fill(~visible, float("-inf")).logsumexp(-1)
 
 
 def make_case(device, dtype, b=3, entries=None, rows=80, sq=1, sn=1, h=4, hk=2, d=64, seqlens=None, leftpad=None,
@@ -67,29 +53,6 @@ def make_case(device, dtype, b=3, entries=None, rows=80, sq=1, sn=1, h=4, hk=2, 
     k = torch.randn(b, sn, hk, d, dtype=dtype, device=device) if sn else None
     v = torch.randn(b, sn, hk, d, dtype=dtype, device=device) if sn else None
     return q, k_cache, v_cache, k, v, seqlens, idx, lp
-
-
-def page_table(b, n, pages, device):
-    """A block table of n pages for each of b entries, drawn in shuffled order from `pages`
-    (the rest unused), as a column slice of a wider table (a row stride past its width)."""
-    order = torch.randperm(pages, device=device)
-    wide = torch.full((b, n + 2), -1, dtype=torch.int32, device=device)
-    wide[:, :n] = order[:b * n].view(b, n).to(torch.int32)
-    return wide[:, :n]
-
-
-def to_pages(cache, table, pages):
-    """A (b, rows, hk, d) cache as `pages` pages of rows / n rows where table says, NaN elsewhere."""
-    b, n = table.shape
-    out = torch.full((pages, cache.shape[1] // n) + cache.shape[2:], float("nan"), dtype=cache.dtype,
-                     device=cache.device)
-    out[table.long()] = cache.view(b, n, -1, *cache.shape[2:])
-    return out
-
-
-def from_pages(pages, table):
-    """The paged cache read back entry by entry: (b, rows, hk, d)."""
-    return pages[table.long()].flatten(1, 2)
 
 
 def check_kvcache(device, b=3, entries=None, rows=80, sq=1, sn=1, h=4, hk=2, d=64, seqlens=None, leftpad=None,
