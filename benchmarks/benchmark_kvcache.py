@@ -4,7 +4,8 @@ on the same keys sliced from the cache after the same append. Decoding reads the
 so the figure of merit is the bandwidth: K and V bytes read per second (the H200 copies at about
 4.2 TB/s, ANCHORS.md). bf16, d=128, h=32 query heads over h_k key heads. `ours` lets the op pick
 split-KV, `ours_nosplit` passes num_splits=1, `ours_paged` reads a paged cache (block_table;
---page rows a page, the pages in shuffled order; 0 leaves it out).
+--page rows a page, the pages in shuffled order; 0 leaves it out), `ours_func` appends as SDPA's
+step does and calls flash_attn_func on the same rows (the dense forward's own split-KV).
 Two timings per point: the median of CUDA-event timings of one step (METHOD.md; the GPU's time),
 and wall-clock time per step over a loop of back-to-back steps (what an eager decoding loop sees,
 launches and host work included). The host-side check of cache_seqlens (a device sync) is off
@@ -26,7 +27,7 @@ sys.path.insert(0, ROOT)
 if "--checks" not in sys.argv:
     os.environ["FLASH_ATTN_SKIP_VARLEN_CHECKS"] = "1"
 from benchmarks.benchmark_attention import finish_axis, median_ms, save_results  # noqa: E402
-from flash_attn import flash_attn_with_kvcache  # noqa: E402
+from flash_attn import flash_attn_func, flash_attn_with_kvcache  # noqa: E402
 
 H, D = 32, 128
 
@@ -55,13 +56,18 @@ def point(b, hk, n, page):
     def ours_nosplit():
         flash_attn_with_kvcache(q, kc, vc, k, v, cache_seqlens=seqlens, causal=True, num_splits=1)
 
+    def ours_func():  # the same append as sdpa's, then flash_attn_func over the same rows
+        kc[:, n:n + 1] = k
+        vc[:, n:n + 1] = v
+        flash_attn_func(q, kc[:, :rows], vc[:, :rows])
+
     def sdpa():  # the same append, then attention over the first n + 1 rows
         kc[:, n:n + 1] = k
         vc[:, n:n + 1] = v
         F.scaled_dot_product_attention(q.transpose(1, 2), kc[:, :rows].transpose(1, 2), vc[:, :rows].transpose(1, 2),
                                        enable_gqa=True)
 
-    runs = [("ours", ours), ("ours_nosplit", ours_nosplit), ("sdpa", sdpa)]
+    runs = [("ours", ours), ("ours_nosplit", ours_nosplit), ("ours_func", ours_func), ("sdpa", sdpa)]
     if page:
         per_entry = (rows + page - 1) // page
         table = torch.randperm(b * per_entry, device="cuda").view(b, per_entry).to(torch.int32)
@@ -104,7 +110,7 @@ def plot(rows, path):
     keys = sorted({(r["batch"], r["hk"]) for r in rows})
     fig, axes = plt.subplots(1, len(keys), figsize=(3.6 * len(keys), 3.2), squeeze=False)
     for ax, (b, hk) in zip(axes[0], keys):
-        for impl in ("ours", "ours_nosplit", "ours_paged", "sdpa"):
+        for impl in ("ours", "ours_nosplit", "ours_paged", "ours_func", "sdpa"):
             pts = sorted((r["seqlen_cache"], r["tb_per_s"]) for r in rows
                          if (r["batch"], r["hk"], r["impl"]) == (b, hk, impl))
             if pts:

@@ -684,8 +684,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> mha_fwd(
   const BlockMask mask{block_layout, q_block_lists, k_block_lists};
   const ScoreMods mods{attn_bias, alibi_slopes, softcap};
   (void)deterministic;  // the forward is deterministic; the flag rides along for the backward
+  // num_splits 0: decoding shapes that leave SMs idle split their keys (cuda::fwd_num_splits).
   return run_fwd(q_in, k_in, v_in, vl, mask, mods, dropout_p, softmax_scale, causal, window_size_left,
-                 window_size_right, return_softmax);
+                 window_size_right, return_softmax, nullptr, 0);
 }
 
 // q, dout, out: as the caller passed them (varlen: 3-D); s: the call's shapes.

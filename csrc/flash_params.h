@@ -103,7 +103,8 @@ struct FwdParams : QKVParams {
   // softmax_lse is (batch, h, seqlen_q), or (h, total_q) with varlen (batch stride 0); row i of
   // head (b, h) is at b * lse_batch_stride + h * lse_head_stride + q_row0 + i.
   int64_t lse_batch_stride = 0, lse_head_stride = 0;
-  // Split-KV (CUDA, the KV-cache forward: too few query blocks to fill the GPU): num_splits CTAs
+  // Split-KV (CUDA: the KV-cache forward, and decoding shapes of the others, when too few query
+  // blocks would fill the GPU; cuda::fwd_num_splits): num_splits CTAs
   // share each (query block, head, batch)'s key tiles, each writing its rows' normalised output and
   // logsumexp in float32: split s's row at index s * lse_accum_split_stride + (the row's index in
   // softmax_lse's layout) of lse_accum_ptr, and d floats from d times that index of o_accum_ptr.

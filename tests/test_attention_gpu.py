@@ -56,6 +56,42 @@ def test_long(s, d, causal, dtype):
     check_against_reference(*make(1, s, s, 2, 2, d, dtype), causal=causal)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("sq", [1, 7, 64])
+def test_decoding_shapes_split_keys(sq, d, causal, dtype):
+    """A few query rows over many keys with few heads (far fewer query blocks than SMs): the
+    forward splits the keys over CTAs and merges their partial outputs; the output and, through
+    the logsumexp the merge writes, the gradients as the reference's."""
+    q, k, v = make(1, sq, 3000, 4, 2, d, dtype)
+    poison_allocator()
+    out = flash_attn_func(q, k, v, causal=causal)
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    check_grads_against_reference(q, k, v, out, dout, grads, dtype, causal=causal)
+
+
+def test_decoding_shapes_split_keys_with_score_mods():
+    """The split forward with a window, ALiBi, softcap and a float bias (with its gradient), and
+    that it did split (the merge kernel ran)."""
+    q, k, v = make(2, 3, 2500, 4, 4, 128, torch.bfloat16)
+    bias = torch.randn(2, 4, 3, 2500, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    slopes = torch.rand(4, device="cuda") * 0.01
+    kw = dict(window_size=(700, 0), softcap=8.0, alibi_slopes=slopes)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        out = flash_attn_func(q, k, v, attn_bias=bias, **kw)
+        torch.cuda.synchronize()
+    assert any("combine" in e.name for e in prof.events()), "the forward did not split"
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v, bias), dout)
+    check_grads_against_reference(q, k, v, out, dout, grads[:3], torch.bfloat16, attn_bias=bias, **kw)
+    ref, _ = attention_ref(q, k, v, attn_bias=bias, **kw)
+    pt, _ = attention_ref(q, k, v, attn_bias=bias, upcast=False, **kw)
+    (ref_db,), (pt_db,) = torch.autograd.grad(ref, (bias,), dout.double()), torch.autograd.grad(pt, (bias,), dout)
+    check_rule("dbias", grads[3], ref_db, pt_db, torch.bfloat16)
+
+
 @pytest.mark.parametrize("hk", [1, 2, 8])
 def test_gqa_ratios(hk):
     check_against_reference(*make(2, 300, 257, 8, hk, 64, torch.bfloat16), causal=True)

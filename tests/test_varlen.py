@@ -161,6 +161,24 @@ def test_varlen_packed_variants_match(device):
     assert torch.equal(flash_attn_varlen_kvpacked_func(q.detach(), kv, cu, cu, max_s, max_s, causal=True), ref)
 
 
+@pytest.mark.gpu
+def test_varlen_decoding_shapes_split_keys():
+    """Packed sequences of a few queries over many keys with few heads: the forward splits the keys
+    over CTAs and merges them (empty sequences included); output and gradients as the reference's."""
+    lengths = [(1, 3000), (5, 1800), (0, 700), (3, 0)]
+    q, k, v, cu_q, cu_k, max_q, max_k = make_varlen(lengths, 2, 1, 64, torch.bfloat16, "cuda")
+    out = flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, causal=True)
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    ref, _ = varlen_ref(q, k, v, cu_q, cu_k, causal=True)
+    pt, _ = varlen_ref(q, k, v, cu_q, cu_k, upcast=False, causal=True)
+    check_rule("out", out, ref, pt, torch.bfloat16)
+    ref_grads = torch.autograd.grad(ref, (q, k, v), dout.double())
+    pt_grads = torch.autograd.grad(pt, (q, k, v), dout)
+    for name, g, rg, pg in zip(("dq", "dk", "dv"), grads, ref_grads, pt_grads):
+        check_rule(name, g, rg, pg, torch.bfloat16)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_varlen_non_contiguous_inputs(device):
     dtype = torch.float16 if device == "cuda" else torch.float32

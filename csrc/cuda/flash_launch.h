@@ -36,19 +36,24 @@ FLASH_HOST_DEVICE int dq_accum_col(bool swizzled, int row, int col, int d) {
   return swizzled ? col ^ ((row & (d % 64 == 0 ? 7 : 3)) << 3) : col;
 }
 
-// The portable forward's tiles (FwdConfig is built from these): query rows and keys per tile. A
-// KV-cache read of at most kDecodeRows query rows (decoding) runs smaller tiles (FwdDecodeConfig:
-// 16 rows up to 16 query rows, else kDecodeRows), which spend less work on rows that do not exist.
+// The portable forward's tiles (FwdConfig is built from these): query rows and keys per tile. At
+// most kDecodeRows query rows (decoding) over a KV cache, or split over CTAs, run smaller tiles
+// (FwdDecodeConfig: 16 rows up to 16 query rows, else kDecodeRows), which spend less work on rows
+// that do not exist.
 FLASH_HOST_DEVICE constexpr int fwd_block_m(int head_dim) { return head_dim <= 128 ? 128 : 64; }
 inline constexpr int kFwdBlockN = 64, kMaxSplits = 128, kDecodeRows = 64;
-inline bool fwd_decode_tiles(const FwdParams& p) { return p.seqused_k != nullptr && p.seqlen_q <= kDecodeRows; }
+inline bool fwd_decode_tiles(const FwdParams& p) {
+  return p.seqlen_q <= kDecodeRows && (p.seqused_k != nullptr || p.num_splits > 1);
+}
 
-// Split-KV for the KV-cache forward (FwdParams::num_splits). requested 0: none where the query
-// blocks already fill 80% of the SMs, else enough that the grid holds about two CTAs per SM, each
-// with at least four key tiles; requested n > 0: n (capped at one key tile each and kMaxSplits).
-// p.seqlen_k: the longest keys.
+// Split-KV (FwdParams::num_splits). requested 0: none where the query blocks already fill 80% of
+// the SMs, nor for a forward without a cache of more than kDecodeRows query rows (the sm90 kernels
+// run those unsplit); else enough that the grid holds about two CTAs per SM, each with at least
+// four key tiles. requested n > 0: n (capped at one key tile each and kMaxSplits). p.seqlen_k:
+// the longest keys.
 inline int fwd_num_splits(const FwdParams& p, int num_sms, int requested) {
-  const int bm = fwd_decode_tiles(p) ? kDecodeRows : fwd_block_m(int(dq_accum_row_stride(p.d)));
+  if (requested <= 0 && p.seqused_k == nullptr && p.seqlen_q > kDecodeRows) return 1;
+  const int bm = p.seqlen_q <= kDecodeRows ? kDecodeRows : fwd_block_m(int(dq_accum_row_stride(p.d)));
   const int64_t blocks = int64_t(p.b) * p.h * ((p.seqlen_q + bm - 1) / bm);
   const int key_tiles = (p.seqlen_k + kFwdBlockN - 1) / kFwdBlockN;
   if (blocks == 0 || key_tiles == 0) return 1;
