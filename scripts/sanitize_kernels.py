@@ -9,6 +9,7 @@ with its gradient, ALiBi, softcap), atomic and deterministic dQ; KV-cache reads 
 with an append, cache_batch_idx and cache_leftpad, the last entry's keys ending at the cache's end;
 decoding tiles with and without split-KV, the GQA fold, a prefill; a paged cache, also under
 flash_attn_varlen_func).
+Dense also runs a decoding shape (few queries over many keys: split-KV).
 The persistent sm90 forward and backward run on two CTAs (FLASH_ATTN_SM90_FWD_PERSISTENT=2,
 FLASH_ATTN_SM90_BWD_PERSISTENT=2), so that each walks many tiles and claims them from the counter.
 Usage: sanitize_kernels.py [all|dense|blocksparse|varlen|mods|kvcache] (racecheck of "all" takes several minutes)."""
@@ -48,6 +49,10 @@ for portable, sync, rows in (("0", "0", ""), ("0", "0", "192"), ("0", "1", ""), 
                                for _ in range(3)]
                     out, _, _ = flash_attn_func(q, k, v, dropout_p=dropout_p, causal=causal, return_attn_probs=True)
                     out.sum().backward()
+                    # A decoding shape (3 queries over 2000 keys, 2 heads): the split forward and the merge.
+                    q, k, v = [torch.randn(1, n, 2, d, device="cuda", dtype=dtype, requires_grad=True)
+                               for n in (3, 2000, 2000)]
+                    flash_attn_func(q, k, v, dropout_p=dropout_p, causal=causal).sum().backward()
                 for deterministic in (False, True) if which in ("all", "varlen") else ():
                     q = torch.randn(sum(lens_q), 2, d, device="cuda", dtype=dtype, requires_grad=True)
                     k, v = [torch.randn(sum(lens_k), 1, d, device="cuda", dtype=dtype, requires_grad=True)
