@@ -684,6 +684,19 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> mha_fwd(
   const BlockMask mask{block_layout, q_block_lists, k_block_lists};
   const ScoreMods mods{attn_bias, alibi_slopes, softcap};
   (void)deterministic;  // the forward is deterministic; the flag rides along for the backward
+  // Decoding through this function under GQA: fold the query heads into rows (gqa_fold_applies),
+  // where the rows' scores have no per-head or per-row term and nothing is drawn per element.
+  // (The backward runs unfolded on the out and softmax_lse returned here.)
+  const bool same_kv = k_in.dim() == 4 && v_in.sizes() == k_in.sizes() && q_in.dim() == 4 &&
+                       k_in.size(0) == q_in.size(0) && k_in.size(3) == q_in.size(3);
+  if (same_kv && gqa_fold_applies(q_in, k_in.size(2), window_size_left, window_size_right, mods.has_alibi()) &&
+      dropout_p == 0.0 && !return_softmax && !vl.present() && !mask.present() && !mods.has_bias() &&
+      !(cu_seqlens_k && cu_seqlens_k->defined())) {
+    auto [out, lse, probs, rng_state] = run_fwd(fold_gqa_queries(q_in, k_in.size(2)), k_in, v_in, vl, mask, mods, 0.0,
+                                                softmax_scale, false, -1, -1, false, nullptr, 0);
+    auto [o, l] = unfold_gqa_rows(out, lse);
+    return {o, l, probs, rng_state};
+  }
   // num_splits 0: decoding shapes that leave SMs idle split their keys (cuda::fwd_num_splits).
   return run_fwd(q_in, k_in, v_in, vl, mask, mods, dropout_p, softmax_scale, causal, window_size_left,
                  window_size_right, return_softmax, nullptr, 0);
@@ -851,6 +864,21 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> mha_bwd(
 }
 
 }  // namespace
+
+bool gqa_fold_applies(const at::Tensor& q, int64_t nheads_k, int64_t window_size_left, int64_t window_size_right,
+                      bool alibi) {
+  return q.dim() == 4 && q.size(1) == 1 && nheads_k > 0 && q.size(2) > nheads_k && q.size(2) % nheads_k == 0 &&
+         window_size_left < 0 && window_size_right < 0 && !alibi;
+}
+
+at::Tensor fold_gqa_queries(const at::Tensor& q, int64_t nheads_k) {
+  return q.reshape({q.size(0), nheads_k, q.size(2) / nheads_k, q.size(3)}).transpose(1, 2);
+}
+
+std::pair<at::Tensor, at::Tensor> unfold_gqa_rows(const at::Tensor& out, const at::Tensor& lse) {
+  const int64_t b = out.size(0), h = out.size(1) * out.size(2);
+  return {out.transpose(1, 2).reshape({b, 1, h, out.size(3)}), lse.reshape({b, h, 1})};
+}
 
 bool index_value_checks_wanted(const at::Tensor& t) {
   if (VarlenOffsetsChecked::active()) return false;

@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <optional>
 #include <tuple>
+#include <utility>
 
 namespace flash {
 
@@ -14,6 +15,17 @@ namespace flash {
 // CUDA graph is being captured, not with FLASH_ATTN_SKIP_VARLEN_CHECKS=1, not in a backward whose
 // forward checked the same offsets (VarlenOffsetsChecked).
 bool index_value_checks_wanted(const at::Tensor& t);
+
+// One query per head under GQA, in a call where every query row would see the same keys with the
+// same score terms (no window or ALiBi; a causal mask changes nothing for one query): the g =
+// nheads / nheads_k query heads of a key head run as g query rows of it, so each key tile is read
+// once per key head. q (b, 1, nheads, d) -> (b, g, nheads_k, d) (a view where q's strides allow);
+// the forward's out (b, g, nheads_k, d) and softmax_lse (b, nheads_k, g) go back to (b, 1, nheads,
+// d) and (b, nheads, 1).
+bool gqa_fold_applies(const at::Tensor& q, int64_t nheads_k, int64_t window_size_left, int64_t window_size_right,
+                      bool alibi);
+at::Tensor fold_gqa_queries(const at::Tensor& q, int64_t nheads_k);
+std::pair<at::Tensor, at::Tensor> unfold_gqa_rows(const at::Tensor& out, const at::Tensor& lse);
 
 // How flash_attn_with_kvcache reads its cache (FwdParams::seqused_k): int32 device vectors of one
 // entry per batch entry; batch_idx and leftpad may be null (entry b, row 0). A paged cache (CUDA):

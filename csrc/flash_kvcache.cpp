@@ -192,21 +192,17 @@ void check_varlen_pages(const at::Tensor& keys, const at::Tensor& table, int64_t
 
 // Attention of q over the cache as kv (and block_table, where given) says, shared by the two ops.
 // q (batch, seqlen_q, nheads, headdim), or packed as varlen says. One decoding query per head
-// under GQA (padded q): the g query heads of a key head become g query rows of it (causal then
-// changes nothing: one query sees every key), so each key tile is read once per key head rather
-// than once per query head: q (b, 1, h, d) seen as (b, g, h_k, d). Not with a window or ALiBi,
-// which differ per row or head.
+// under GQA (padded q) runs folded (gqa_fold_applies): the cache is read once per key head.
 std::tuple<at::Tensor, at::Tensor> read_cache(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                               KvCacheRead kv, const OptTensor& table,
                                               std::optional<double> softmax_scale, bool causal,
                                               int64_t window_size_left, int64_t window_size_right,
                                               const OptTensor& alibi_slopes, double softcap, int64_t num_splits,
                                               const VarlenQuery* varlen = nullptr) {
-  const int64_t b = varlen ? varlen->cu_seqlens_q.numel() - 1 : q.size(0);
-  const int64_t h = q.size(-2), hk = k_cache.size(2), g = hk > 0 ? h / hk : 1;
-  const bool fold = !varlen && q.size(1) == 1 && g > 1 && h % hk == 0 && window_size_left < 0 &&
-                    window_size_right < 0 && !(alibi_slopes && alibi_slopes->defined());
-  const at::Tensor qv = fold ? q.reshape({b, hk, g, q.size(3)}).transpose(1, 2) : q;
+  const int64_t b = varlen ? varlen->cu_seqlens_q.numel() - 1 : q.size(0), hk = k_cache.size(2);
+  const bool fold = !varlen && gqa_fold_applies(q, hk, window_size_left, window_size_right,
+                                                alibi_slopes && alibi_slopes->defined());
+  const at::Tensor qv = fold ? fold_gqa_queries(q, hk) : q;
   at::Tensor k_read = k_cache, v_read = v_cache;
   if (table && k_cache.is_cuda()) {  // the kernels follow the table
     kv.block_table = table->data_ptr<int32_t>();
@@ -220,8 +216,7 @@ std::tuple<at::Tensor, at::Tensor> read_cache(const at::Tensor& q, const at::Ten
   }
   auto [out, lse] = mha_fwd_kvcache_read(qv, k_read, v_read, kv, softmax_scale, causal && !fold, window_size_left,
                                          window_size_right, alibi_slopes, softcap, num_splits, varlen);
-  if (fold)  // out has qv's strides: (b, g, h_k, d) over (b, 1, h, d) memory; lse (b, h_k, g) = (b, h, 1)
-    return {out.transpose(1, 2).reshape({b, 1, h, out.size(3)}), lse.reshape({b, h, 1})};
+  if (fold) return unfold_gqa_rows(out, lse);  // (out has qv's strides: the unfold is a view)
   return {out.contiguous(), lse};
 }
 

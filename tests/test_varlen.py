@@ -143,7 +143,11 @@ def test_varlen_equals_each_sequence_alone(causal, device):
             assert not gk.any() and not gv.any()
             continue
         alone = flash_attn_func(qi[None], ki[None], vi[None], causal=causal)
-        assert torch.equal(oi, alone[0]), "the forward must match the sequence run alone bit for bit"
+        if qi.shape[0] == 1 and qi.shape[1] > ki.shape[1]:  # alone, one query under GQA runs folded: rows grouped
+            torch.testing.assert_close(oi, alone[0], rtol=1e-6 if dtype == torch.float32 else 1e-2,
+                                       atol=1e-6 if dtype == torch.float32 else 1e-2)
+        else:
+            assert torch.equal(oi, alone[0]), "the forward must match the sequence run alone bit for bit"
         ga = torch.autograd.grad(alone, (qi, ki, vi), di[None])
         for g, a in zip((gq, gk, gv), ga):  # dQ is summed with atomics on the GPU: close, not bitwise
             assert torch.allclose(g.float(), a.float(), atol=1e-2 if dtype != torch.float32 else 1e-5, rtol=1e-2)
