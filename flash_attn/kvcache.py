@@ -99,6 +99,7 @@ def varlen_paged_forward(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_se
         raise NotImplementedError("flash_attn_varlen_func: with block_table (a paged KV cache) there is no gradient; "
                                   "call it under torch.no_grad() or pass tensors that do not require grad")
     left, right = _window(window_size)
+    q = last_dim_contiguous(q)
     out, lse = ops.fwd_varlen_paged(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q),
                                     int(max_seqlen_k), block_table, softmax_scale, bool(causal), left, right,
                                     alibi_slopes, float(softcap))
