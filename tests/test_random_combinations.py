@@ -232,6 +232,10 @@ def test_kvcache(device, index):
         kw["softmax_scale"] = rng.choice([0.25, 2.0]) / d ** 0.5
     if new and rng.random() < 0.3:
         kw["rotary"] = rng.random() < 0.5  # (interleaved or not)
+    if batch_idx is None and leftpad is None and rng.random() < 0.4:  # a paged cache (its rows a whole table)
+        kw["page"] = rng.choice([256, 512])
+        rows = kw["page"] * rng.choice([1, 2, 3])
+        seqlens = [rng.randint(0, rows - new) for _ in range(b)]
     args = dict(b=b, entries=entries, rows=rows, sq=queries, sn=new, h=h, hk=hk, d=d, seqlens=seqlens,
                 leftpad=leftpad, batch_idx=batch_idx, **kw)
     try:
