@@ -198,6 +198,13 @@ Shapes varlen_shapes(Shapes s, const Varlen& vl) {
   return s;
 }
 
+// A varlen batch with no query rows or no key rows at all (max_seqlen may still say more): no
+// kernel runs, since the TMA kernels' descriptors cannot describe an empty tensor; every row
+// gives 0 (logsumexp -inf), every gradient 0.
+bool packed_rows_empty(const Varlen& vl, const Shapes& packed) {
+  return vl.present() && (packed.seqlen_q == 0 || packed.seqlen_k == 0);
+}
+
 void set_strides(const at::Tensor& t, int64_t& batch, int64_t& row, int64_t& head) {
   batch = t.stride(0);
   row = t.stride(1);
@@ -620,6 +627,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> run_fwd(
     // less host time than at::zeros' fill launch.
     at::Tensor rng_state = at::empty({2}, opts.dtype(at::kLong));
     C10_CUDA_CHECK(cudaMemsetAsync(rng_state.data_ptr(), 0, 2 * sizeof(int64_t), stream));
+    if (packed_rows_empty(vl, packed)) {  // (probs: zeros already)
+      out.zero_();
+      lse.fill_(-std::numeric_limits<float>::infinity());
+      return {unpack(out), lse, return_softmax ? probs.to(q.scalar_type()) : probs, rng_state};
+    }
     const auto [d8, qc, kc, vc, cscale, dq_factor] = cuda_qkv(s, q, k, v, scale);
     at::Tensor out_k = d8 == s.d ? out : at::empty({q.size(0), q.size(1), s.h, d8}, opts);
     TORCH_CHECK(!kv || kc.data_ptr() == k_in.data_ptr(), "flash_attn (internal): a KV cache must reach the kernels "
@@ -773,6 +785,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> mha_bwd(
 #ifdef FLASH_ATTN_WITH_CUDA
   if (q.is_cuda()) {
     c10::cuda::CUDAGuard guard(q.device());
+    if (packed_rows_empty(vl, packed))
+      return {unpack(at::zeros_like(q)), unpack(at::zeros_like(k)), unpack(at::zeros_like(v)), at::empty({0}, q.options())};
     const auto [d8, qc, kc, vc, cscale, dq_factor] = cuda_qkv(s, q, k, v, scale);
     const at::Tensor oc = cuda_operand(out, d8), doc = cuda_operand(dout, d8);
     at::Tensor dq = at::empty({q.size(0), q.size(1), s.h, d8}, q.options());

@@ -217,6 +217,23 @@ def test_varlen_empty_batch_and_larger_max_seqlen(device):
     assert out.shape == (0, 2, 32)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("empty", ["keys", "queries"])
+@pytest.mark.parametrize("d", [64, 128])
+def test_varlen_no_keys_or_no_queries_at_all_with_larger_max_seqlen(device, empty, d):
+    # Every sequence without keys (or queries) while max_seqlen says 3: nothing for the TMA kernels'
+    # descriptors to describe (an empty tensor once aborted the process there); rows give 0.
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    lq, lk = ([1, 2], [0, 0]) if empty == "keys" else ([0, 0], [3, 1])
+    cu_q, cu_k = (torch.tensor([0] + lens, device=device).cumsum(0).int() for lens in (lq, lk))
+    q = torch.randn(sum(lq), 4, d, dtype=dtype, device=device, requires_grad=True)
+    k, v = (torch.randn(sum(lk), 2, d, dtype=dtype, device=device, requires_grad=True) for _ in range(2))
+    out, lse, _ = flash_attn_varlen_func(q, k, v, cu_q, cu_k, 3, 3, causal=True, return_attn_probs=True)
+    assert out.shape == q.shape and (out == 0).all() and torch.isneginf(lse).all()
+    dq, dk, dv = torch.autograd.grad(out, (q, k, v), torch.randn_like(out))
+    assert (dq == 0).all() and (dk == 0).all() and (dv == 0).all()
+
+
 def good_args(device="cpu"):
     q, k, v, cu_q, cu_k, max_q, max_k = make_varlen(LENGTHS["mixed"], 2, 2, 32, torch.float32, device)
     return dict(q=q, k=k, v=v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q, max_seqlen_k=max_k)
