@@ -344,7 +344,7 @@ TORCH_LIBRARY_FRAGMENT(flash_attn, m) {
 
   m.def(
       "fwd_varlen_paged(Tensor q, Tensor k_cache, Tensor v_cache, Tensor cu_seqlens_q, Tensor cu_seqlens_k, "
-      "int max_seqlen_q, int max_seqlen_k, Tensor block_table, float? softmax_scale=None, bool causal=False, "
+      "SymInt max_seqlen_q, SymInt max_seqlen_k, Tensor block_table, float? softmax_scale=None, bool causal=False, "
       "int window_size_left=-1, int window_size_right=-1, Tensor? alibi_slopes=None, float softcap=0.) "
       "-> (Tensor out, Tensor softmax_lse)");
 }

@@ -17,7 +17,7 @@ from .interface import (flash_attn_blocksparse_func, flash_attn_blocksparse_qkvp
                         flash_attn_kvpacked_func, flash_attn_qkvpacked_func, flash_attn_varlen_func,
                         flash_attn_varlen_kvpacked_func, flash_attn_varlen_qkvpacked_func, last_dim_contiguous,
                         max_length)
-from .kvcache import flash_attn_with_kvcache
+from .kvcache import flash_attn_with_kvcache, varlen_paged_forward
 
 __all__ = ["flash_attn_blocksparse_func", "flash_attn_blocksparse_qkvpacked_func", "flash_attn_func",
            "flash_attn_kvpacked_func", "flash_attn_qkvpacked_func", "flash_attn_varlen_func",
@@ -51,10 +51,9 @@ def _flash_attn_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p,
     return softmax_d.transpose(0, 1) if varlen else softmax_d.transpose(1, 2)
 
 
-def _varlen_args(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table=None, leftpad_k=None,
-                 seqused_k=None) -> dict:
-    if block_table is not None or leftpad_k is not None or seqused_k is not None:
-        raise NotImplementedError("flash_attn: block_table, leftpad_k and seqused_k are not supported by "
+def _varlen_args(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, leftpad_k=None, seqused_k=None) -> dict:
+    if leftpad_k is not None or seqused_k is not None:
+        raise NotImplementedError("flash_attn: leftpad_k and seqused_k are not supported by "
                                   "_flash_attn_varlen_forward / _backward; pass None")
     return dict(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_length(max_seqlen_q),
                 max_seqlen_k=max_length(max_seqlen_k))
@@ -64,11 +63,20 @@ def _flash_attn_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q
                                softmax_scale, causal, window_size_left=-1, window_size_right=-1, softcap=0.0,
                                alibi_slopes=None, return_softmax=False, block_table: Optional[torch.Tensor] = None,
                                leftpad_k=None, seqused_k=None, zero_tensors=False):
-    """flash-attn 2.7's varlen forward: (out, softmax_lse (nheads, total_q), S_dmask, rng_state)."""
-    return _flash_attn_forward(q, k, v, dropout_p, softmax_scale, causal, window_size_left, window_size_right,
-                               softcap, alibi_slopes, return_softmax,
-                               **_varlen_args(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table,
-                                              leftpad_k, seqused_k))
+    """flash-attn 2.7's varlen forward: (out, softmax_lse (nheads, total_q), S_dmask, rng_state).
+    With block_table, k and v are a paged cache (num_blocks, page_block_size, nheads_k, headdim),
+    as flash_attn_varlen_func takes them (inference only: no dropout, no probabilities)."""
+    varlen = _varlen_args(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, leftpad_k, seqused_k)
+    if block_table is None:
+        return _flash_attn_forward(q, k, v, dropout_p, softmax_scale, causal, window_size_left, window_size_right,
+                                   softcap, alibi_slopes, return_softmax, **varlen)
+    if return_softmax:
+        raise NotImplementedError("flash_attn: _flash_attn_varlen_forward with block_table (a paged KV cache) "
+                                  "returns no attention probabilities; pass return_softmax=False")
+    with torch.no_grad():
+        out, lse, _ = varlen_paged_forward(q, k, v, *varlen.values(), block_table, dropout_p, softmax_scale, causal,
+                                           (window_size_left, window_size_right), softcap, alibi_slopes, True)
+    return out, lse, None, torch.zeros(2, dtype=torch.int64, device=q.device)
 
 
 def _flash_attn_varlen_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k,

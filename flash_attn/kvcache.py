@@ -6,7 +6,7 @@ from typing import Optional, Union
 import torch
 
 from . import ops  # noqa: F401  (registers the ops and their fake kernels)
-from .interface import _window, last_dim_contiguous
+from .interface import _window, last_dim_contiguous, max_length
 from .layers.rotary import apply_rotary_emb
 
 
@@ -100,7 +100,7 @@ def varlen_paged_forward(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_se
                                   "call it under torch.no_grad() or pass tensors that do not require grad")
     left, right = _window(window_size)
     q = last_dim_contiguous(q)
-    out, lse = ops.fwd_varlen_paged(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q),
-                                    int(max_seqlen_k), block_table, softmax_scale, bool(causal), left, right,
+    out, lse = ops.fwd_varlen_paged(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_length(max_seqlen_q),
+                                    max_length(max_seqlen_k), block_table, softmax_scale, bool(causal), left, right,
                                     alibi_slopes, float(softcap))
     return (out, lse, None) if return_attn_probs else out

@@ -77,3 +77,25 @@ def test_varlen_forms(device):
     assert softmax_d.shape == (4, sum(lengths))
     with pytest.raises(NotImplementedError, match="seqused_k"):
         _flash_attn_varlen_forward(q, k, v, cu, cu, 70, 70, 0.0, None, True, seqused_k=cu[1:])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_varlen_forward_with_block_table(device):
+    """block_table: k and v are a paged cache, read as flash_attn_varlen_func reads it."""
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    lens_q, lens_k, page, h, hk, d = [3, 1, 0, 5], [300, 7, 0, 40], 256, 4, 2, 32
+    cu_q = torch.tensor([0] + lens_q, device=device).cumsum(0).to(torch.int32)
+    cu_k = torch.tensor([0] + lens_k, device=device).cumsum(0).to(torch.int32)
+    table = torch.randperm(8, device=device)[:8].view(4, 2).to(torch.int32)
+    kp, vp = (torch.randn(8, page, hk, d, dtype=dtype, device=device) for _ in range(2))
+    q = torch.randn(sum(lens_q), h, d, dtype=dtype, device=device)
+    out, lse, s_dmask, rng_state = _flash_attn_varlen_forward(q, kp, vp, cu_q, cu_k, 5, 300, 0.0, None, True,
+                                                              block_table=table)
+    ref, ref_lse, _ = flash_attn_varlen_func(q, kp, vp, cu_q, cu_k, 5, 300, causal=True, block_table=table,
+                                             return_attn_probs=True)
+    assert torch.equal(out, ref) and torch.equal(lse, ref_lse) and s_dmask is None and rng_state.shape == (2,)
+    with pytest.raises(NotImplementedError, match="dropout_p must be 0"):
+        _flash_attn_varlen_forward(q, kp, vp, cu_q, cu_k, 5, 300, 0.1, None, True, block_table=table)
+    with pytest.raises(NotImplementedError, match="return_softmax"):
+        _flash_attn_varlen_forward(q, kp, vp, cu_q, cu_k, 5, 300, 0.0, None, True, return_softmax=True,
+                                   block_table=table)

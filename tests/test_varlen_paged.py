@@ -172,3 +172,23 @@ def test_varlen_paged_compile_fullgraph():
 
     args = (a["q"], a["k"], a["v"], a["cu_seqlens_q"], a["cu_seqlens_k"], a["block_table"])
     torch.testing.assert_close(torch.compile(step, fullgraph=True)(*args), step(*args))
+
+
+def test_varlen_paged_compile_does_not_recompile_for_each_longest_length():
+    # max_seqlen_q / _k are SymInts in fwd_varlen_paged's schema, as in the dense ops'.
+    torch._dynamo.reset()
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    def step(q, k, v, cu_q, cu_k, table, max_q: int, max_k: int):
+        return flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, causal=True, block_table=table)
+
+    compiled = torch.compile(step, fullgraph=True, backend=backend)
+    for lens_q, lens_k in (([3, 1], [300, 9]), ([2, 4], [20, 90]), ([5, 1], [7, 400]), ([1, 6], [60, 61])):
+        q, _, (kp, vp), table = make_paged(lens_q, lens_k, 2, 1, 32, 256, "cpu")
+        args = (q, kp, vp, offsets(lens_q, "cpu"), offsets(lens_k, "cpu"), table, max(lens_q), max(lens_k))
+        torch.testing.assert_close(compiled(*args), step(*args), equal_nan=False)
+    assert len(graphs) <= 2, f"{len(graphs)} graphs for 4 batches"
