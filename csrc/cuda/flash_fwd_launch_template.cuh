@@ -4,6 +4,7 @@
 #pragma once
 
 #include "flash_fwd_combine.cuh"
+#include "flash_fwd_decode_kernel.cuh"
 #include "flash_fwd_kernel.cuh"
 #include "flash_launch.h"
 #include "launch_utils.cuh"
@@ -27,28 +28,36 @@ bool try_sm90_fwd(FwdParams& p, cudaStream_t stream) {
 #endif
 }
 
-// Decoding over a KV cache (fwd_decode_tiles): tiles of one warp's 16 rows for up to 16 query rows
-// (one query per head, or a GQA group's query heads as rows), else 64 rows. Small tiles put more
-// CTAs, hence more loads in flight, on each SM and spend less MMA and softmax work on rows that do
-// not exist: on the H200, 16-row tiles read the cache 1.05-1.9x as fast as 64-row ones, and
-// 1.1-1.35x as fast as 64 rows by 128 keys (NOTES, eighteenth session).
+// Decoding over a KV cache (fwd_decode_tiles): up to 16 query rows (one query per head, or a GQA
+// group's query heads as rows), one 16-row tile per CTA whose four warps split each 64-key tile
+// (flash_fwd_decode_kernel.cuh); else tiles of 64 rows. Small tiles put more CTAs, hence more
+// loads in flight, on each SM and spend less MMA and softmax work on rows that do not exist. GPUs
+// with less shared memory than the split-key tiles need at head dims above 128 (sm_86 / sm_89)
+// run one warp's 16 rows by 64 keys (NOTES, eighteenth and twenty-first sessions).
 template <typename Elem, int kHeadDim, int kRows>
 using FwdDecodeConfig = FwdTraits<Elem, kHeadDim, kRows, kFwdBlockN, 1, (kHeadDim <= 128 ? 2 : 1)>;
+template <typename Elem, int kHeadDim>
+using FwdSplitKeysConfig = FwdSplitKeysTraits<Elem, kHeadDim, kFwdBlockN, 4>;
 static_assert(fwd_block_m(256) == kDecodeRows, "above head dim 128 FwdConfig's tiles are the 64-row decoding ones");
 
-template <typename TD>
-void run_decode(FwdParams& p, cudaStream_t stream) {
+template <typename TD, typename Kernel>
+void run_decode(FwdParams& p, cudaStream_t stream, Kernel kernel) {
   const dim3 grid((p.seqlen_q + TD::kBlockM - 1) / TD::kBlockM, p.h, p.b * p.num_splits);
   if (grid.x == 0 || p.b == 0) return;
-  launch<TD>(&flash_fwd_kernel<TD, false>, grid, p, stream);
+  launch<TD>(kernel, grid, p, stream);
   if (p.num_splits > 1) launch_fwd_combine<typename TD::Elem>(p, stream);
 }
 
 template <typename Elem, int kHeadDim>
 void run_mha_fwd_(FwdParams& p, cudaStream_t stream) {
   if (fwd_decode_tiles(p)) {
-    if (p.seqlen_q <= 16) return run_decode<FwdDecodeConfig<Elem, kHeadDim, 16>>(p, stream);
-    if constexpr (kHeadDim <= 128) return run_decode<FwdDecodeConfig<Elem, kHeadDim, kDecodeRows>>(p, stream);
+    using TK = FwdSplitKeysConfig<Elem, kHeadDim>;
+    using T16 = FwdDecodeConfig<Elem, kHeadDim, 16>;
+    using T64 = FwdDecodeConfig<Elem, kHeadDim, kDecodeRows>;
+    if (p.seqlen_q <= 16 && TK::kSmemBytes <= smem_per_block_optin())
+      return run_decode<TK>(p, stream, &flash_fwd_decode_kernel<TK>);
+    if (p.seqlen_q <= 16) return run_decode<T16>(p, stream, &flash_fwd_kernel<T16, false>);
+    if constexpr (kHeadDim <= 128) return run_decode<T64>(p, stream, &flash_fwd_kernel<T64, false>);
   }
   using T = FwdConfig<Elem, kHeadDim>;
   // (Split-KV: the portable kernel, num_splits CTAs per query block along z, then the combine.)
