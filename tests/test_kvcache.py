@@ -232,6 +232,17 @@ def test_kvcache_num_splits(num_splits, sq, device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("num_splits", [1, 0, 5])
+@pytest.mark.parametrize("sq", [1, 2])
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_kvcache_long_caches(d, sq, num_splits, device):
+    """Many key tiles per CTA and lengths around a tile's edges (on CUDA each warp of a decoding
+    CTA takes part of every tile, and a warp may see no key of a sequence at all)."""
+    check_kvcache(device, b=6, rows=3000, sq=sq, sn=1, h=8, hk=1, d=d, seqlens=[0, 14, 62, 63, 64, 2998],
+                  num_splits=num_splits, causal=True)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_kvcache_without_new_keys_and_full_cache(device):
     """cache_seqlens=None: every entry's whole cache."""
     dtype = dtype_for(device)
