@@ -26,6 +26,7 @@
 #include <c10/cuda/CUDAGuard.h>
 
 #include "cuda/flash_launch.h"
+#include "cuda/fwd_num_splits.h"
 #endif
 
 namespace flash {

@@ -82,12 +82,7 @@ __global__ void __launch_bounds__(T::kNThreads) flash_fwd_decode_kernel(const Fw
   if (m0 >= p.seqlen_q) return;  // varlen: past this sequence's rows
   const HeadPtrs<Elem> hp = head_ptrs<Elem>(p, b, h);
 
-  TileSeq tiles = key_tiles<kN>(p, b, h, m0, kM);
-  if (p.num_splits > 1) {  // this split's share: a contiguous run of the walk
-    const int share = (tiles.count + p.num_splits - 1) / p.num_splits, first = min(tiles.count, split * share);
-    tiles.first += first;
-    tiles.count = min(share, tiles.count - first);
-  }
+  const TileSeq tiles = split_share(key_tiles<kN>(p, b, h, m0, kM), p.num_splits, split);
   const int warp_col = warp * kWN;  // this warp's keys within a tile
 
   float acc[kD / 8][4];

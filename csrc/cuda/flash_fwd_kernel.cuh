@@ -52,6 +52,17 @@ __device__ __forceinline__ TileSeq key_tiles(const FwdParams& p, int b, int h, i
   return tile_seq<kBlockN>(kMaybeMasked ? kept_key_blocks(p, b, h, m0 / kMaskBlock) : nullptr, begin, end);
 }
 
+// Split-KV (FwdParams::num_splits): split `split`'s share of a query block's key tiles, a
+// contiguous run of the walk.
+__device__ __forceinline__ TileSeq split_share(TileSeq tiles, int num_splits, int split) {
+  if (num_splits > 1) {
+    const int share = (tiles.count + num_splits - 1) / num_splits, first = min(tiles.count, split * share);
+    tiles.first += first;
+    tiles.count = min(share, tiles.count - first);
+  }
+  return tiles;
+}
+
 // Zero the dropped probabilities of a query-major (16 x kN) tile at (i16, j0).
 template <int kN>
 __device__ __forceinline__ void dropout_qmajor(float (&s)[kN / 8][4], const DropoutState& ds, uint32_t bh, int i16,
@@ -153,12 +164,7 @@ __global__ void __launch_bounds__(T::kNThreads) flash_fwd_kernel(const FwdParams
   if (m0 >= p.seqlen_q) return;  // varlen: past this sequence's rows
   const HeadPtrs<Elem> hp = head_ptrs<Elem>(p, b, h);
 
-  TileSeq tiles = key_tiles<kN>(p, b, h, m0, kM);
-  if (p.num_splits > 1) {  // this split's share: a contiguous run of the walk
-    const int share = (tiles.count + p.num_splits - 1) / p.num_splits, first = min(tiles.count, split * share);
-    tiles.first += first;
-    tiles.count = min(share, tiles.count - first);
-  }
+  const TileSeq tiles = split_share(key_tiles<kN>(p, b, h, m0, kM), p.num_splits, split);
   const int warp_row = warp * 16 * kMT;  // first query of this warp, relative to m0
 
   float acc[kMT][kD / 8][4];
