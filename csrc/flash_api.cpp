@@ -625,9 +625,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> run_fwd(
     c10::cuda::CUDAGuard guard(q.device());
     const cudaStream_t stream = at::cuda::getCurrentCUDAStream().stream();
     // Zeros, overwritten with the seed and offset by a kernel that draws dropout. A memset costs
-    // less host time than at::zeros' fill launch.
-    at::Tensor rng_state = at::empty({2}, opts.dtype(at::kLong));
-    C10_CUDA_CHECK(cudaMemsetAsync(rng_state.data_ptr(), 0, 2 * sizeof(int64_t), stream));
+    // less host time than at::zeros' fill launch. The KV-cache op returns none (and a decoding
+    // step is short enough for the memset's launch to show).
+    at::Tensor rng_state = at::empty({kv ? 0 : 2}, opts.dtype(at::kLong));
+    if (!kv) C10_CUDA_CHECK(cudaMemsetAsync(rng_state.data_ptr(), 0, 2 * sizeof(int64_t), stream));
     if (packed_rows_empty(vl, packed)) {  // (probs: zeros already)
       out.zero_();
       lse.fill_(-std::numeric_limits<float>::infinity());
@@ -645,7 +646,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> run_fwd(
     set_block_mask(p, mask);
     const at::Tensor kbias = set_score_mods(p, mods, s, q, /*cuda=*/true);
     p.p_ptr = return_softmax ? probs.data_ptr<float>() : nullptr;
-    p.rng_state_ptr = rng_state.data_ptr<int64_t>();
+    p.rng_state_ptr = kv ? nullptr : rng_state.data_ptr<int64_t>();
     if (dropout_p > 0.0) set_cuda_philox(p);
     at::Tensor o_accum, lse_accum;  // split-KV's partials (FwdParams::num_splits)
     if (num_splits != 1 && dropout_p == 0.0 && !return_softmax) {
