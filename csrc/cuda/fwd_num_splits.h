@@ -12,9 +12,11 @@ namespace flash::cuda {
 
 // Split-KV (FwdParams::num_splits). requested 0: none where the query blocks already fill 80% of
 // the SMs, nor for a forward without a cache of more than kDecodeRows query rows (the sm90 kernels
-// run those unsplit); else enough that the grid holds about two CTAs per SM, each with at least
-// four key tiles. requested n > 0: n (capped at one key tile each and kMaxSplits). p.seqlen_k:
-// the longest keys.
+// run those unsplit); else as many as keep the grid at no more than two CTAs per SM, down to one
+// key tile each. On the H200 (bf16, d=128) a grid a little over two CTAs per SM ran 7-10% slower
+// than one just under (SMs with a third CTA finish last), and short caches ran fastest with one
+// tile per split (NOTES, twenty-first session). requested n > 0: n. Both capped at one key tile
+// each and kMaxSplits. p.seqlen_k: the longest keys.
 inline int fwd_num_splits(const FwdParams& p, int num_sms, int requested) {
   if (requested <= 0 && p.seqused_k == nullptr && p.seqlen_q > kDecodeRows) return 1;
   const int bm = p.seqlen_q <= kDecodeRows ? kDecodeRows : fwd_block_m(int(dq_accum_row_stride(p.d)));
@@ -22,8 +24,7 @@ inline int fwd_num_splits(const FwdParams& p, int num_sms, int requested) {
   const int key_tiles = (p.seqlen_k + kFwdBlockN - 1) / kFwdBlockN;
   if (blocks == 0 || key_tiles == 0) return 1;
   if (requested <= 0 && 5 * blocks >= 4 * int64_t(num_sms)) return 1;
-  int64_t n = requested > 0 ? requested
-                           : std::min<int64_t>((2 * int64_t(num_sms) + blocks - 1) / blocks, key_tiles / 4);
+  int64_t n = requested > 0 ? requested : 2 * int64_t(num_sms) / blocks;
   n = std::min<int64_t>({n, key_tiles, kMaxSplits});
   return int(std::max<int64_t>(n, 1));
 }
