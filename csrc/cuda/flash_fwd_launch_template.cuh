@@ -32,7 +32,7 @@ bool try_sm90_fwd(FwdParams& p, cudaStream_t stream) {
 // group's query heads as rows), one 16-row tile per CTA whose four warps split each 64-key tile
 // (flash_fwd_decode_kernel.cuh); else tiles of 64 rows. Small tiles put more CTAs, hence more
 // loads in flight, on each SM and spend less MMA and softmax work on rows that do not exist. GPUs
-// with less shared memory than the split-key tiles need at head dims above 128 (sm_86 / sm_89)
+// with less shared memory than the split-key tiles need (sm_86 / sm_89 at head dims 192 and up)
 // run one warp's 16 rows by 64 keys (NOTES, eighteenth and twenty-first sessions).
 template <typename Elem, int kHeadDim, int kRows>
 using FwdDecodeConfig = FwdTraits<Elem, kHeadDim, kRows, kFwdBlockN, 1, (kHeadDim <= 128 ? 2 : 1)>;
