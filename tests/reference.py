@@ -167,3 +167,14 @@ def to_pages(cache, table, pages):
 def from_pages(pages, table):
     """The paged cache read back entry by entry: (b, rows, hk, d)."""
     return pages[table.long()].flatten(1, 2)
+
+
+def graph_counting_backend():
+    """A torch.compile backend that runs each graph as traced, and the list it appends them to
+    (one per compilation, so its length counts recompiles)."""
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+    return backend, graphs

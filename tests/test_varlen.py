@@ -9,7 +9,7 @@ import torch
 
 from flash_attn import (flash_attn_func, flash_attn_varlen_func, flash_attn_varlen_kvpacked_func,
                         flash_attn_varlen_qkvpacked_func)
-from reference import attention_ref, check_rule, poison_allocator, visible_mask
+from reference import attention_ref, check_rule, graph_counting_backend, poison_allocator, visible_mask
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
@@ -358,11 +358,7 @@ def test_varlen_compile_does_not_recompile_for_each_longest_length():
     # max_seqlen is a SymInt in the ops' schema: batches whose longest sequence differs (every
     # step of a varlen training loop) share one graph once dynamo has seen two of them.
     torch._dynamo.reset()
-    graphs = []
-
-    def backend(gm, example_inputs):
-        graphs.append(gm)
-        return gm.forward
+    backend, graphs = graph_counting_backend()
 
     model = PackedSelfAttention()
     compiled = torch.compile(model, fullgraph=True, backend=backend)

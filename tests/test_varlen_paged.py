@@ -8,7 +8,7 @@ import torch
 
 from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
 from flash_attn import ops
-from reference import attention_ref, check_rule, lse_ref, page_table, to_pages
+from reference import attention_ref, check_rule, graph_counting_backend, lse_ref, page_table, to_pages
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
@@ -177,11 +177,7 @@ def test_varlen_paged_compile_fullgraph():
 def test_varlen_paged_compile_does_not_recompile_for_each_longest_length():
     # max_seqlen_q / _k are SymInts in fwd_varlen_paged's schema, as in the dense ops'.
     torch._dynamo.reset()
-    graphs = []
-
-    def backend(gm, example_inputs):
-        graphs.append(gm)
-        return gm.forward
+    backend, graphs = graph_counting_backend()
 
     def step(q, k, v, cu_q, cu_k, table, max_q: int, max_k: int):
         return flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, causal=True, block_table=table)
