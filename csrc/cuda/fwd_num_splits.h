@@ -13,7 +13,7 @@ namespace flash::cuda {
 // Split-KV (FwdParams::num_splits). requested 0: none where the query blocks already fill 80% of
 // the SMs, nor for a forward without a cache of more than kDecodeRows query rows (the sm90 kernels
 // run those unsplit); else as many as keep the grid at no more than two CTAs per SM, down to one
-// key tile each. On the H200 (bf16, d=128) a grid a little over two CTAs per SM ran 7-10% slower
+// key tile each. On the H200 (bf16, d=128) a grid a little over two CTAs per SM ran 7-12% slower
 // than one just under (SMs with a third CTA finish last), and short caches ran fastest with one
 // tile per split (NOTES, twenty-first session). requested n > 0: n. Both capped at one key tile
 // each and kMaxSplits. p.seqlen_k: the longest keys.
