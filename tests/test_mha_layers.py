@@ -19,13 +19,19 @@ from flash_attn.utils.generation import InferenceParams
 from reference import attention_ref, check_rule
 
 
-def rope_ref(x, rot, base=10000.0, interleaved=False, positions=None):
+def rope_ref(x, rot, base=10000.0, interleaved=False, positions=None, xpos=None):
     """RoPE as complex multiplication, float64: x (..., seqlen, heads, d) with positions (seqlen,)
-    or broadcastable to x's leading dims."""
+    or broadcastable to x's leading dims. xpos = (scale_base, centre, sign): XPos, pair i's rotor
+    also scaled by zeta_i ** (sign * (position - centre) / scale_base) (sign 1 for q, -1 for k)."""
     seqlen = x.shape[-3]
     pos = torch.arange(seqlen, dtype=torch.float64, device=x.device) if positions is None else positions.double()
     inv = 1.0 / base ** (torch.arange(0, rot, 2, dtype=torch.float64, device=x.device) / rot)
-    rotor = torch.polar(torch.ones_like(pos[..., None] * inv), pos[..., None] * inv).unsqueeze(-2)  # (..., 1, rot/2)
+    mag = torch.ones_like(pos[..., None] * inv)
+    if xpos is not None:
+        scale_base, centre, sign = xpos
+        zeta = (torch.arange(0, rot, 2, dtype=torch.float64, device=x.device) + 0.4 * rot) / (1.4 * rot)
+        mag = zeta ** (sign * (pos[..., None] - centre) / scale_base)
+    rotor = torch.polar(mag, pos[..., None] * inv).unsqueeze(-2)  # (..., 1, rot/2)
     xr = x[..., :rot].double()
     if interleaved:
         z = torch.view_as_complex(xr.unflatten(-1, (-1, 2)).contiguous())
@@ -117,9 +123,34 @@ def test_rotary_module_takes_flash_attn_forms():
     assert (cos - RotaryEmbedding(32).half().cos_sin(4096, "cpu")[0]).abs().max() > 0.1  # (why the default is fp32)
 
 
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_rotary_xpos_matches_reference(interleaved):
+    """scale_base (XPos): q scaled by zeta ** ((m - c) / scale_base) and k by the inverse, c half
+    the longest table so far (flash-attn's cached tables); a longer table moves c and the rotated
+    q and k, but not their scores."""
+    rope = RotaryEmbedding(16, interleaved=interleaved, scale_base=40)
+    assert rope.scale is not None and RotaryEmbedding(16).scale is None
+    qkv = torch.randn(2, 21, 3, 2, 32)
+    out = rope(qkv, seqlen_offset=3)  # a table of 24 positions: c = 12
+    pos = torch.arange(3, 24)
+    for i, sign in ((0, 1), (1, -1)):
+        want = rope_ref(qkv[:, :, i], 16, interleaved=interleaved, positions=pos, xpos=(40, 12, sign))
+        torch.testing.assert_close(out[:, :, i].double(), want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out[:, :, 2], qkv[:, :, 2])
+    rope(qkv[:, :5], max_seqlen=300)  # the table grows to 300 positions (c = 150) and stays
+    later = rope(qkv, seqlen_offset=3)
+    assert rope._seq_len_cached == 300 and not torch.allclose(later, out)
+    scores = lambda t: torch.einsum("bmhd,bnhd->bhmn", t[:, :, 0].double(), t[:, :, 1].double())
+    torch.testing.assert_close(scores(later), scores(out), atol=1e-4, rtol=1e-4)
+    q, kv = rope(qkv[:, :, 0], qkv[:, :, 1:], 3)  # q with a packed kv: the same rotations
+    torch.testing.assert_close(torch.cat((q[:, :, None], kv), dim=2), later)
+
+
 def test_rotary_errors():
     with pytest.raises(ValueError, match="even"):
         RotaryEmbedding(7)
+    with pytest.raises(ValueError, match="scale_base must be positive"):
+        RotaryEmbedding(8, scale_base=0)
     cos, sin = RotaryEmbedding(8).cos_sin(4, "cpu")
     with pytest.raises(ValueError, match="positions"):
         apply_rotary_emb(torch.randn(1, 5, 1, 8), cos, sin)
@@ -159,7 +190,9 @@ def mha_ref(m: MHA, x, x_kv=None, key_padding_mask=None, upcast=True):
         q, k, v = q.unflatten(-1, (h, d)), k.unflatten(-1, (hk, d)), v.unflatten(-1, (hk, d))
     if m.rotary_emb_dim:
         rope = dict(rot=m.rotary_emb_dim, base=m.rotary_emb.base, interleaved=m.rotary_emb.interleaved)
-        q, k = rope_ref(q, **rope).to(dt), rope_ref(k, **rope).to(dt)
+        sb = m.rotary_emb.scale_base  # (XPos centred on 0: the centre cancels in the scores)
+        q = rope_ref(q, **rope, xpos=None if sb is None else (sb, 0, 1)).to(dt)
+        k = rope_ref(k, **rope, xpos=None if sb is None else (sb, 0, -1)).to(dt)
     inner = m.inner_attn
     bias = None if key_padding_mask is None else key_padding_mask[:, None, None, :]
     out, _ = attention_ref(q, k, v, causal=inner.causal, window_size=inner.window_size, upcast=upcast,
@@ -172,6 +205,7 @@ CASES = {
     "causal_rotary": dict(causal=True, rotary_emb_dim=16),
     "rotary_interleaved_full": dict(rotary_emb_dim=32, rotary_emb_interleaved=True),
     "gqa_rotary": dict(num_heads_kv=2, causal=True, rotary_emb_dim=8),
+    "xpos_causal": dict(causal=True, rotary_emb_dim=16, rotary_emb_scale_base=32),
     "mqa_window": dict(num_heads_kv=1, window_size=(7, 3)),
     "alibi": dict(use_alibi=True, causal=True),
     "cross": dict(cross_attn=True, num_heads_kv=2),
@@ -247,7 +281,8 @@ def test_mha_options_and_errors():
 
 
 DECODE_CASES = {"causal_rotary": CASES["causal_rotary"], "gqa_rotary": CASES["gqa_rotary"],
-                "alibi": CASES["alibi"], "gqa_window": dict(num_heads_kv=2, causal=True, window_size=(5, 0))}
+                "alibi": CASES["alibi"], "gqa_window": dict(num_heads_kv=2, causal=True, window_size=(5, 0)),
+                "xpos_causal": CASES["xpos_causal"]}
 
 
 def decode_all(m, x, prompt, ip):
@@ -326,9 +361,10 @@ def test_mha_decoding_gpu(case):
     check_rule("out", out, ref, pt, torch.bfloat16)
 
 
-def test_mha_torch_compile_fullgraph_cpu():
+@pytest.mark.parametrize("case", ["gqa_rotary", "xpos_causal"])
+def test_mha_torch_compile_fullgraph_cpu(case):
     torch._dynamo.reset()
-    m = make_mha("gqa_rotary")
+    m = make_mha(case)
     x = torch.randn(2, 37, 128, requires_grad=True)
     explanation = torch._dynamo.explain(m)(x)
     assert explanation.graph_break_count == 0

@@ -105,21 +105,44 @@ class RotaryEmbedding(nn.Module):
     qkv). base: the frequency base; interleaved: GPT-J pairing. pos_idx_in_fp32=False computes the
     angles in the inv_freq buffer's dtype (after .half(): float16), as flash-attn does for models
     trained that way; the default computes them in float32. The tables are recomputed per call
-    (seqlen x dim / 2 values; under torch.compile they fuse with their use)."""
+    (seqlen x dim / 2 values; under torch.compile they fuse with their use).
+
+    scale_base (XPos, Sun et al. 2022): each frequency pair i of q at position m is also scaled by
+    zeta_i ** ((m - c) / scale_base), and of k by its inverse, zeta_i = (2 i + 0.4 dim) / (1.4 dim),
+    so a score q_m . k_n decays as zeta_i ** ((m - n) / scale_base). c is half the longest table
+    built so far (as flash-attn's cached tables have it); it cancels in the scores."""
 
     def __init__(self, dim: int, base: float = 10000.0, interleaved: bool = False,
                  scale_base: Optional[float] = None, pos_idx_in_fp32: bool = True, device=None):
         super().__init__()
         if dim % 2 != 0:
             raise ValueError(f"RotaryEmbedding: dim must be even, got {dim}")
-        if scale_base is not None:
-            raise NotImplementedError("RotaryEmbedding: scale_base (XPos) is not supported yet; pass None")
+        if scale_base is not None and not scale_base > 0:
+            raise ValueError(f"RotaryEmbedding: scale_base must be positive (or None: no XPos), got {scale_base}")
         self.dim, self.base, self.interleaved = dim, float(base), interleaved
+        self.scale_base = None if scale_base is None else float(scale_base)
         self.pos_idx_in_fp32 = pos_idx_in_fp32
         self.register_buffer("inv_freq", self._inv_freq(device), persistent=False)
+        # (flash-attn's buffer names; `scale is None` says there is no XPos)
+        self.register_buffer("scale", None if scale_base is None else self._xpos_zeta(device), persistent=False)
+        self._seq_len_cached = 0
 
     def _inv_freq(self, device) -> torch.Tensor:
         return 1.0 / (self.base ** (torch.arange(0, self.dim, 2, device=device, dtype=torch.float32) / self.dim))
+
+    def _xpos_zeta(self, device) -> torch.Tensor:
+        return (torch.arange(0, self.dim, 2, device=device, dtype=torch.float32) + 0.4 * self.dim) / (1.4 * self.dim)
+
+    def xpos_cos_sin(self, seqlen: int, device) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """XPos: (cos, sin) for q and (cos_k, sin_k) for k, float32, (n, dim / 2) for the n =
+        max(seqlen, longest so far) positions 0 .. n - 1, centred on n // 2. (zeta is recomputed
+        in float32: the scale buffer follows a module's .to(dtype), and its powers at late
+        positions would be far off in 16 bits.)"""
+        n = self._seq_len_cached = max(self._seq_len_cached, int(seqlen))
+        cos, sin = self.cos_sin(n, device)
+        power = (torch.arange(n, device=device, dtype=torch.float32) - n // 2) / self.scale_base
+        scale = self._xpos_zeta(device) ** power[:, None]
+        return cos * scale, sin * scale, cos / scale, sin / scale
 
     def cos_sin(self, seqlen: int, device) -> Tuple[torch.Tensor, torch.Tensor]:
         """(seqlen, dim / 2) float32 tables for positions 0 .. seqlen - 1. With pos_idx_in_fp32 the
@@ -166,13 +189,16 @@ class RotaryEmbedding(nn.Module):
             positions = max_seqlen
         else:
             positions = max(q.shape[1], k.shape[1])
-        if isinstance(seqlen_offset, torch.Tensor) and cu_seqlens is None and max_seqlen is not None:
-            positions = max(positions, max_seqlen)  # (per-sequence offsets within max_seqlen: no sync to find them)
-        else:
+        if not (isinstance(seqlen_offset, torch.Tensor) and cu_seqlens is None and max_seqlen is not None):
             positions += int(seqlen_offset.max()) if isinstance(seqlen_offset, torch.Tensor) else seqlen_offset
-        cos, sin = self.cos_sin(positions, q.device)
+        if cu_seqlens is None and max_seqlen is not None:  # (per-sequence offsets within it: no sync to find them)
+            positions = max(positions, max_seqlen)
+        if self.scale is None:
+            cos, sin = cos_k, sin_k = self.cos_sin(positions, q.device)
+        else:
+            cos, sin, cos_k, sin_k = self.xpos_cos_sin(positions, q.device)
         rope = dict(interleaved=self.interleaved, seqlen_offsets=seqlen_offset, cu_seqlens=cu_seqlens)
-        q, k = apply_rotary_emb(q, cos, sin, **rope), apply_rotary_emb(k, cos, sin, **rope)
+        q, k = apply_rotary_emb(q, cos, sin, **rope), apply_rotary_emb(k, cos_k, sin_k, **rope)
         if kv is not None:
             return q, torch.stack((k, kv.select(heads_dim, 1)), dim=heads_dim)
         if num_heads_q is not None:
