@@ -186,6 +186,13 @@ def mha_ref(m: MHA, x, x_kv=None, key_padding_mask=None, upcast=True):
         k, v = kv[:, :, 0], kv[:, :, 1]
     else:
         qkv = lin(x, "Wqkv")
+        if m.dwconv:  # each channel: taps 0, 1, 2 on tokens t - 2, t - 1, t (zeros before the first)
+            parts = ["dwconv_qkv"] if h == hk else ["dwconv_q", "dwconv_kv"]
+            w = torch.cat([p[n + ".weight"] for n in parts])[:, 0]  # (channels, 3)
+            b = torch.cat([p[n + ".bias"] for n in parts])
+            padded = torch.nn.functional.pad(qkv, (0, 0, 2, 0))
+            s = qkv.shape[1]
+            qkv = sum(padded[:, j:j + s] * w[:, j] for j in range(3)) + b
         q, k, v = qkv[..., : h * d], qkv[..., h * d: (h + hk) * d], qkv[..., (h + hk) * d:]
         q, k, v = q.unflatten(-1, (h, d)), k.unflatten(-1, (hk, d)), v.unflatten(-1, (hk, d))
     if m.rotary_emb_dim:
@@ -206,6 +213,8 @@ CASES = {
     "rotary_interleaved_full": dict(rotary_emb_dim=32, rotary_emb_interleaved=True),
     "gqa_rotary": dict(num_heads_kv=2, causal=True, rotary_emb_dim=8),
     "xpos_causal": dict(causal=True, rotary_emb_dim=16, rotary_emb_scale_base=32),
+    "dwconv_causal_rotary": dict(causal=True, dwconv=True, rotary_emb_dim=16),
+    "dwconv_gqa": dict(num_heads_kv=2, dwconv=True),
     "mqa_window": dict(num_heads_kv=1, window_size=(7, 3)),
     "alibi": dict(use_alibi=True, causal=True),
     "cross": dict(cross_attn=True, num_heads_kv=2),
@@ -278,6 +287,15 @@ def test_mha_options_and_errors():
         MHA(64, 4)(x.view(18, 64), cu_seqlens=torch.tensor([0, 18], dtype=torch.int32))
     with pytest.raises(ValueError, match="key_padding_mask"):
         MHA(64, 4)(x, key_padding_mask=torch.ones(2, 8, dtype=torch.bool))
+    conv = MHA(64, 4, dwconv=True, layer_idx=0)
+    assert conv.dwconv_qkv.weight.shape == (192, 1, 3)
+    assert MHA(64, 4, num_heads_kv=2, dwconv=True).dwconv_kv.weight.shape == (64, 1, 3)
+    with pytest.raises(ValueError, match="dwconv takes x as"):
+        conv(x.view(18, 64), cu_seqlens=torch.tensor([0, 18], dtype=torch.int32), max_seqlen=18)
+    with pytest.raises(NotImplementedError, match="dwconv does not decode"):
+        conv(x, inference_params=InferenceParams(16, 2))
+    with pytest.raises(NotImplementedError, match="dwconv is for self-attention"):
+        MHA(64, 4, cross_attn=True, dwconv=True)
 
 
 DECODE_CASES = {"causal_rotary": CASES["causal_rotary"], "gqa_rotary": CASES["gqa_rotary"],

@@ -70,6 +70,12 @@ class FlashCrossAttention(FlashSelfAttention):
         return flash_attn_kvpacked_func(q, kv, **self._kwargs(causal))
 
 
+def causal_dwconv(conv: nn.Conv1d, t: torch.Tensor) -> torch.Tensor:
+    """conv (depthwise, 3 taps, padding 2) over the sequence of t (batch, seqlen, channels),
+    keeping the outputs that see only the current and earlier tokens."""
+    return conv(t.transpose(1, 2))[..., :-2].transpose(1, 2)
+
+
 class MHA(nn.Module):
     """Multi-head attention block: Wqkv (or Wq and Wkv with cross_attn), rotary embeddings on the
     first rotary_emb_dim features of q and k, attention on the flash_attn kernels, out_proj.
@@ -86,8 +92,13 @@ class MHA(nn.Module):
     attend to everything cached (flash_attn_with_kvcache). A prompt is the same call at offset 0.
 
     mixer_subset (cross_attn only): the queries are x[:, mixer_subset] (e.g. a ViT's class token in
-    its last layer), the keys all of x_kv (default x). dwconv is not supported; fused_bias_fc and
-    use_flash_attn only select implementations in flash-attn and change nothing here.
+    its last layer), the keys all of x_kv (default x).
+
+    dwconv (self-attention, padded batches, no decoding, as in flash-attn): the projected q, k and
+    v go through a causal depthwise convolution over the sequence (3 taps: each token mixes in its
+    two predecessors; parameters dwconv_qkv, or dwconv_q and dwconv_kv under GQA / MQA).
+    fused_bias_fc and use_flash_attn only select implementations in flash-attn and change nothing
+    here.
     """
 
     def __init__(self, embed_dim, num_heads, num_heads_kv=None, cross_attn=False, qkv_proj_bias=True,
@@ -104,11 +115,18 @@ class MHA(nn.Module):
             raise ValueError(f"MHA: embed_dim ({embed_dim}) must be divisible by num_heads ({num_heads})")
         if num_heads % self.num_heads_kv != 0:
             raise ValueError(f"MHA: num_heads ({num_heads}) must be a multiple of num_heads_kv ({self.num_heads_kv})")
-        if dwconv:
-            raise NotImplementedError("MHA: dwconv is not supported")
+        if dwconv and cross_attn:
+            raise NotImplementedError("MHA: dwconv is for self-attention (cross_attn=False)")
         self.head_dim = embed_dim // num_heads
         qkv_dim = self.head_dim * (num_heads + 2 * self.num_heads_kv)
         kv_dim = 2 * self.head_dim * self.num_heads_kv
+        self.dwconv = dwconv
+        if dwconv:  # (padding 2 and the last 2 outputs dropped: causal)
+            conv = lambda c: nn.Conv1d(c, c, kernel_size=3, padding=2, groups=c, **factory)
+            if self.num_heads_kv == num_heads:
+                self.dwconv_qkv = conv(qkv_dim)
+            else:
+                self.dwconv_q, self.dwconv_kv = conv(embed_dim), conv(kv_dim)
         self.rotary_emb_dim = rotary_emb_dim
         if rotary_emb_dim > 0:
             if cross_attn:
@@ -168,9 +186,15 @@ class MHA(nn.Module):
             if cu_seqlens is not None or key_padding_mask is not None:
                 raise ValueError("MHA: inference_params excludes cu_seqlens and key_padding_mask (sequences of "
                                  "different lengths: lengths_per_sample)")
+            if self.dwconv:
+                raise NotImplementedError("MHA: dwconv does not decode with inference_params (no convolution "
+                                          "state is kept)")
             return self._forward_decoding(x, x_kv, inference_params)
         if cu_seqlens is not None and (max_seqlen is None or key_padding_mask is not None):
             raise ValueError("MHA: cu_seqlens needs max_seqlen and excludes key_padding_mask")
+        if self.dwconv and (cu_seqlens is not None or x.dim() != 3):
+            raise ValueError(f"MHA: dwconv takes x as (batch, seqlen, embed_dim), not packed sequences, got shape "
+                             f"{tuple(x.shape)}{' with cu_seqlens' if cu_seqlens is not None else ''}")
         if x_kv is not None and not self.cross_attn:
             raise ValueError("MHA: x_kv is for cross_attn=True")
         packed = cu_seqlens is not None
@@ -183,7 +207,10 @@ class MHA(nn.Module):
             out = self._attend(self._cross, q, kv, key_padding_mask)
         else:
             if h == hk:
-                qkv = self.Wqkv(x).unflatten(-1, (3, h, d))
+                qkv = self.Wqkv(x)
+                if self.dwconv:
+                    qkv = causal_dwconv(self.dwconv_qkv, qkv)
+                qkv = qkv.unflatten(-1, (3, h, d))
                 if self.rotary_emb_dim > 0:
                     qkv = self.rotary_emb(qkv, **varlen)
                 if key_padding_mask is not None:
@@ -210,7 +237,10 @@ class MHA(nn.Module):
             x_q = x if mixer_subset is None else x[:, mixer_subset]
             return self.Wq(x_q).unflatten(-1, (h, d)), self.Wkv(x if x_kv is None else x_kv).unflatten(-1, (2, hk, d))
         qkv = self.Wqkv(x)
-        return qkv[..., : h * d].unflatten(-1, (h, d)), qkv[..., h * d:].unflatten(-1, (2, hk, d))
+        q, kv = qkv[..., : h * d], qkv[..., h * d:]
+        if self.dwconv:
+            q, kv = causal_dwconv(self.dwconv_q, q), causal_dwconv(self.dwconv_kv, kv)
+        return q.unflatten(-1, (h, d)), kv.unflatten(-1, (2, hk, d))
 
     def _forward_decoding(self, x, x_kv, inference_params):
         if x_kv is not None and not self.cross_attn:
