@@ -218,6 +218,7 @@ CASES = {
     "mqa_window": dict(num_heads_kv=1, window_size=(7, 3)),
     "alibi": dict(use_alibi=True, causal=True),
     "cross": dict(cross_attn=True, num_heads_kv=2),
+    "cross_rotary_causal": dict(cross_attn=True, num_heads_kv=2, rotary_emb_dim=16, causal=True),
 }
 
 

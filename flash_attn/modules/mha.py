@@ -129,8 +129,6 @@ class MHA(nn.Module):
                 self.dwconv_q, self.dwconv_kv = conv(embed_dim), conv(kv_dim)
         self.rotary_emb_dim = rotary_emb_dim
         if rotary_emb_dim > 0:
-            if cross_attn:
-                raise NotImplementedError("MHA: rotary embeddings with cross_attn are not supported")
             self.rotary_emb = RotaryEmbedding(rotary_emb_dim, base=rotary_emb_base, interleaved=rotary_emb_interleaved,
                                               scale_base=rotary_emb_scale_base, device=device)
         alibi = torch.tensor(get_alibi_slopes(num_heads), device=device, dtype=torch.float32) if use_alibi else None
@@ -204,6 +202,8 @@ class MHA(nn.Module):
             if packed:
                 raise NotImplementedError("MHA: cross_attn with cu_seqlens is not supported")
             q, kv = self._project(x, x_kv, mixer_subset)
+            if self.rotary_emb_dim > 0:  # (as flash-attn: queries and keys each from position 0)
+                q, kv = self.rotary_emb(q, kv)
             out = self._attend(self._cross, q, kv, key_padding_mask)
         else:
             if h == hk:
