@@ -250,7 +250,7 @@ def test_mha_matches_reference_cpu(case, padded):
         torch.testing.assert_close(a.double(), b.double(), atol=2e-4, rtol=1e-3)
 
 
-@pytest.mark.parametrize("case", ["plain", "causal_rotary", "gqa_rotary"])
+@pytest.mark.parametrize("case", ["plain", "causal_rotary", "gqa_rotary", "xpos_causal"])
 def test_mha_packed_equals_each_sequence_cpu(case):
     m = make_mha(case)
     lens = [5, 0, 17, 1, 30]
