@@ -9,7 +9,7 @@ import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
-from transformers import AutoModel, AutoModelForCausalLM, BertConfig, GPT2Config, LlamaConfig  # noqa: E402
+from transformers import AutoModel, AutoModelForCausalLM, BertConfig, GPT2Config, GptOssConfig, LlamaConfig  # noqa: E402
 
 import flash_attn.integrations.transformers as integration  # noqa: E402
 from flash_attn.integrations.transformers import register  # noqa: E402
@@ -81,6 +81,48 @@ def packed(lengths):
     positions = torch.cat([torch.arange(n) for n in lengths])[None]
     return ids, positions, dict(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=max(lengths),
                                 max_length_k=max(lengths))
+
+
+def gpt_oss_config():
+    """gpt-oss: attention sinks (s_aux) on every layer, a sliding-window layer (a 4-D mask) and a
+    full one (padding mask and the causal flag), GQA, experts."""
+    return GptOssConfig(hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                        num_key_value_heads=2, head_dim=16, vocab_size=100, num_local_experts=4, num_experts_per_tok=2,
+                        sliding_window=5, layer_types=["sliding_attention", "full_attention"])
+
+
+@pytest.mark.parametrize("padding", ["none", "left"])
+def test_gpt_oss_sinks_match_eager_cpu(padding):
+    """The sinks join every row's softmax: logits and every parameter's gradient (the sinks'
+    included, through the training path) and the no-gradient path equal eager attention's."""
+    eager = AutoModelForCausalLM.from_config(gpt_oss_config(), attn_implementation="eager")
+    ours = AutoModelForCausalLM.from_config(gpt_oss_config(), attn_implementation=NAME)
+    ours.load_state_dict(eager.state_dict())
+    ids, mask = batch(padding, length=12)
+    am = None if padding == "none" else mask
+    real = mask.bool()
+    results = []
+    for m in (eager, ours):
+        logits = m(input_ids=ids, attention_mask=am).logits[real]
+        names, params = zip(*m.named_parameters())
+        results.append((logits, torch.autograd.grad((logits * torch.arange(100)).sum(), params, allow_unused=True)))
+        with torch.no_grad():
+            results[-1] += (m(input_ids=ids, attention_mask=am).logits[real],)
+    assert any("sinks" in n for n in names)
+    (l_e, g_e, n_e), (l_o, g_o, n_o) = results
+    torch.testing.assert_close(l_o, l_e, atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(n_o, n_e, atol=2e-5, rtol=1e-4)
+    for name, a, b in zip(names, g_o, g_e):
+        if a is not None or b is not None:
+            torch.testing.assert_close(a, b, atol=2e-4, rtol=1e-3, msg=name)
+
+
+def test_sinks_with_packed_sequences_raise():
+    q = torch.randn(1, 4, 10, 16)
+    cu = torch.tensor([0, 4, 10], dtype=torch.int32)
+    with pytest.raises(NotImplementedError, match="sinks"):
+        integration.attention_forward(torch.nn.Module(), q, q, q, None, is_causal=True, s_aux=torch.zeros(4),
+                                      cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=6, max_length_k=6)
 
 
 @pytest.mark.parametrize("kind", list(LM_CONFIGS))
@@ -180,6 +222,22 @@ def test_gpt2_training_step_compiles_fullgraph_cpu():
     loss = compiled(model, ids, mask)
     loss.backward()
     torch.testing.assert_close(loss, lm_step(model, ids, mask), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.gpu
+def test_gpt_oss_sinks_bf16_tolerance_rule_gpu():
+    eager = AutoModelForCausalLM.from_config(gpt_oss_config(), attn_implementation="eager").cuda()
+    ours = AutoModelForCausalLM.from_config(gpt_oss_config(), attn_implementation=NAME).cuda()
+    ours.load_state_dict(eager.state_dict())
+    ids, mask = batch("left", "cuda", length=300)
+    real = mask.bool()
+    ref = copy.deepcopy(eager).double()(input_ids=ids, attention_mask=mask).logits[real]
+    pt = eager.to(torch.bfloat16)(input_ids=ids, attention_mask=mask).logits[real]
+    for grad in (False, True):  # the no-gradient path and the training one
+        with torch.set_grad_enabled(grad):
+            out = ours.to(torch.bfloat16)(input_ids=ids, attention_mask=mask).logits[real]
+        err, pt_err = (out.double() - ref).abs().max().item(), (pt.double() - ref).abs().max().item()
+        assert err <= 2 * pt_err + EPS[torch.bfloat16] * ref.abs().max().item(), (grad, err, pt_err)
 
 
 @pytest.mark.gpu
