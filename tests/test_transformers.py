@@ -9,7 +9,8 @@ import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
-from transformers import AutoModel, AutoModelForCausalLM, BertConfig, GPT2Config, GptOssConfig, LlamaConfig  # noqa: E402
+from transformers import (AutoModel, AutoModelForCausalLM, BertConfig, GPT2Config, GptOssConfig,  # noqa: E402
+                          LlamaConfig, T5Config)
 
 import flash_attn.integrations.transformers as integration  # noqa: E402
 from flash_attn.integrations.transformers import register  # noqa: E402
@@ -115,6 +116,71 @@ def test_gpt_oss_sinks_match_eager_cpu(padding):
     for name, a, b in zip(names, g_o, g_e):
         if a is not None or b is not None:
             torch.testing.assert_close(a, b, atol=2e-4, rtol=1e-3, msg=name)
+
+
+def test_t5_position_bias_matches_eager_cpu():
+    """T5 hands its relative-position bias to the attention function (position_bias): added to the
+    scores with the padding mask, its embedding gets the gradient eager attention gives it."""
+    config = lambda: T5Config(d_model=64, d_kv=16, d_ff=96, num_layers=2, num_decoder_layers=2, num_heads=4,
+                              vocab_size=100, dropout_rate=0.0, relative_attention_num_buckets=8,
+                              relative_attention_max_distance=20)
+    eager = AutoModel.from_config(config(), attn_implementation="eager")
+    ours = AutoModel.from_config(config(), attn_implementation=NAME)
+    ours.load_state_dict(eager.state_dict())
+    ids, mask = batch("right", length=12)
+    dec = torch.randint(0, 100, (2, 7))
+    weight = torch.randn(2, 7, 64)
+    results = []
+    for m in (eager, ours):
+        hidden = m(input_ids=ids, attention_mask=mask, decoder_input_ids=dec).last_hidden_state
+        names, params = zip(*m.named_parameters())
+        results.append((hidden, torch.autograd.grad((hidden * weight).sum(), params, allow_unused=True)))
+    (h_e, g_e), (h_o, g_o) = results
+    torch.testing.assert_close(h_o, h_e, atol=2e-5, rtol=1e-4)
+    assert any("relative_attention_bias" in n for n in names)
+    for name, a, b in zip(names, g_o, g_e):
+        assert (a is None) == (b is None), name
+        if a is not None:
+            torch.testing.assert_close(a, b, atol=2e-4, rtol=1e-3, msg=name)
+
+
+@pytest.mark.parametrize("per_row", [False, True])
+def test_sinks_and_position_bias_match_eager_formula(per_row):
+    """attention_forward with sinks (s_aux (heads,), or sinks (batch, heads, seqlen_q, 1) per row),
+    a position_bias and a padding mask against the eager formula in float64: softmax over [scores +
+    position_bias + mask, sink], the sink's column dropped. Both paths: without gradients, and with
+    them (every input's gradient)."""
+    b, h, hk, s, d = 2, 4, 2, 11, 16
+    q = torch.randn(b, h, s, d, dtype=torch.float64)
+    k, v = torch.randn(b, hk, s, d, dtype=torch.float64), torch.randn(b, hk, s, d, dtype=torch.float64)
+    sinks = torch.randn(b, h, s, 1, dtype=torch.float64) if per_row else torch.randn(h, dtype=torch.float64)
+    pos = torch.randn(1, h, s, s, dtype=torch.float64)
+    pad = torch.ones(b, s, dtype=torch.bool)
+    pad[1, 7:] = False
+
+    def eager(q, k, v, sinks, pos):
+        k, v = k.repeat_interleave(h // hk, 1), v.repeat_interleave(h // hk, 1)
+        w = q @ k.transpose(2, 3) * d ** -0.5 + pos + torch.where(pad, 0.0, float("-inf"))[:, None, None, :]
+        sink = sinks if per_row else sinks[None, :, None, None].expand(b, h, s, 1)
+        return (torch.softmax(torch.cat([w, sink], -1), -1)[..., :-1] @ v).transpose(1, 2)
+
+    want = eager(q, k, v, sinks, pos)
+    kw = dict(sinks=sinks.float()) if per_row else dict(s_aux=sinks.float())
+    with torch.no_grad():
+        out, _ = integration.attention_forward(torch.nn.Module(), q.float(), k.float(), v.float(), pad,
+                                               scaling=d ** -0.5, position_bias=pos.float(), **kw)
+    torch.testing.assert_close(out.double(), want, atol=1e-5, rtol=1e-5)
+    leaves = [t.float().requires_grad_() for t in (q, k, v, sinks, pos)]
+    kw = dict(sinks=leaves[3]) if per_row else dict(s_aux=leaves[3])
+    out, _ = integration.attention_forward(torch.nn.Module(), *leaves[:3], pad, scaling=d ** -0.5,
+                                           position_bias=leaves[4], **kw)
+    torch.testing.assert_close(out.double(), want, atol=1e-5, rtol=1e-5)
+    g = torch.randn_like(want)
+    grads = torch.autograd.grad(out, leaves, g.float())
+    ref = [t.clone().requires_grad_() for t in (q, k, v, sinks, pos)]
+    ref_grads = torch.autograd.grad(eager(*ref), ref, g)
+    for name, a, r in zip("q k v sinks position_bias".split(), grads, ref_grads):
+        torch.testing.assert_close(a.double(), r, atol=1e-4, rtol=1e-4, msg=name)
 
 
 def test_sinks_with_packed_sequences_raise():

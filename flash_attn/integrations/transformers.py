@@ -13,8 +13,9 @@ transformers' 4-D boolean mask and is passed as it is. Fully masked query rows (
 a causal model) give 0, where eager attention averages over the masked keys. Packed sequences
 with transformers' flash kwargs (cu_seq_lens_q / _k, max_length_q / _k, from
 DataCollatorWithFlattening(return_flash_attn_kwargs=True)) run as one varlen call, as in
-transformers' flash-attention path. Attention sinks (`s_aux`, one logit per head that joins every
-row's softmax and carries no value, as gpt-oss has them) are supported on padded batches.
+transformers' flash-attention path. Attention sinks (`s_aux`: one logit per head that joins every
+row's softmax and carries no value, as gpt-oss has them; `sinks`: one per head and query row) and
+an additive `position_bias` (T5's relative positions) are supported on padded batches.
 transformers is an optional dependency: nothing here imports it before `register` is called.
 """
 
@@ -40,11 +41,12 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", False)
     packing = [kwargs.get(name) for name in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")]
-    sinks = kwargs.get("s_aux")
+    sinks = kwargs.get("s_aux", kwargs.get("sinks"))
+    position_bias = kwargs.get("position_bias")
     if all(x is not None for x in packing) and (attention_mask is None or attention_mask.dim() == 4):
-        if sinks is not None:
-            raise NotImplementedError("fa_exact: attention sinks (s_aux) with packed sequences (flash kwargs) are not "
-                                      "supported; pad the batch instead")
+        if sinks is not None or position_bias is not None:
+            raise NotImplementedError("fa_exact: attention sinks (s_aux, sinks) and position_bias with packed "
+                                      "sequences (flash kwargs) are not supported; pad the batch instead")
         return _packed_forward(q, k, v, *packing, dropout, scaling, bool(causal), sliding_window, softcap), None
     bias = None
     if attention_mask is not None:
@@ -52,6 +54,9 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
             bias = attention_mask[:, -k.shape[1]:].bool()[:, None, None, :]
         else:  # the full pattern (bool True = attend, or additive), causality included
             bias, causal = attention_mask, False
+    if position_bias is not None:  # added to the scores before the mask (its gradient flows back)
+        mask = 0.0 if bias is None else torch.where(bias, 0.0, float("-inf")) if bias.dtype == torch.bool else bias
+        bias = position_bias + mask
     # (A 4-D mask holds any window already.)
     window = _window(sliding_window if attention_mask is None or attention_mask.dim() == 2 else None, causal)
     if sinks is not None:
@@ -62,24 +67,26 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
 
 
 def _with_sinks(q, k, v, sinks, bias, causal, window, dropout, scaling, softcap):
-    """Attention with a sink logit per head: softmax over [the row's scores, sinks[h]], the sink's
-    share dropped (it has no value). Without gradients, exactly the plain output scaled by the
-    keys' share of each row, sigmoid(lse - sink). With them, a key is prepended whose score is the
-    sink: the head dim gains a feature, sinks[h] / scale in q and 1 in that key (0 in the others),
+    """Attention with a sink logit per row: softmax over [the row's scores, its sink], the sink's
+    share dropped (it has no value); sinks (heads,) or (batch, heads, seqlen_q, 1). Without
+    gradients, exactly the plain output scaled by the keys' share of each row, sigmoid(lse - sink).
+    With them, a key is prepended whose score is the sink: the head dim gains a feature, the row's
+    sink / scale in q and 1 in that key (0 in the others),
     and the key's value is 0 (v gains a zero feature too), so the kernels' own backward gives every gradient, the sinks'
     included (through q). Masks get a visible column for it; causal alignment is unchanged (the
     queries keep their distance to the last key)."""
-    if not (torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, sinks))):
+    b, sq, h, d = q.shape
+    rows = (sinks[None, :, None] if sinks.dim() == 1 else sinks.reshape(sinks.shape[0], h, -1)).expand(b, h, sq)
+    if not (torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, sinks, bias) if t is not None)):
         out, lse, _, _ = ops.fwd(*(last_dim_contiguous(t) for t in (q, k, v)), float(dropout), scaling, causal,
                                  window[0], window[1], False, False, attn_bias=bias, softcap=float(softcap))
-        keep = torch.sigmoid(lse - sinks.float()[None, :, None]).transpose(1, 2)[..., None]  # (b, sq, h, 1)
+        keep = torch.sigmoid(lse - rows.float()).transpose(1, 2)[..., None]  # (b, sq, h, 1)
         return (out.float() * keep).to(out.dtype)
     if softcap or window != (-1, -1):
         raise NotImplementedError("fa_exact: training with attention sinks (s_aux) takes no softcap and no "
                                   "sliding_window without a mask")
-    b, sq, h, d = q.shape
     scale = scaling if scaling is not None else d ** -0.5
-    q1 = torch.cat([q, (sinks.to(q.dtype) / scale)[None, None, :, None].expand(b, sq, h, 1)], dim=-1)
+    q1 = torch.cat([q, (rows.to(q.dtype) / scale).transpose(1, 2)[..., None]], dim=-1)
     sink_key = F.pad(torch.ones_like(k[:, :1, :, :1]), (d, 0))  # (b, 1, h_k, d + 1): 0, ..., 0, 1
     k1 = torch.cat([sink_key, F.pad(k, (0, 1))], dim=1)
     v1 = F.pad(v, (0, 1, 0, 0, 1, 0))  # (the kernels take one head dim for q, k and v)
