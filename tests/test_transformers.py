@@ -183,6 +183,30 @@ def test_sinks_and_position_bias_match_eager_formula(per_row):
         torch.testing.assert_close(a.double(), r, atol=1e-4, rtol=1e-4, msg=name)
 
 
+@pytest.mark.parametrize("mask", ["bool", "float"])
+def test_sparse_indices_match_eager_formula(mask):
+    """indices (DeepSeek sparse attention, (batch, q_len, topk)): each query sees only its selected
+    keys, within transformers' 4-D mask (bool, or additive with finfo.min), as eager applies them."""
+    b, h, s, d, topk = 2, 4, 13, 16, 5
+    q, k, v = (torch.randn(b, h, s, d, dtype=torch.float64) for _ in range(3))
+    causal = torch.ones(s, s, dtype=torch.bool).tril()[None, None].expand(b, 1, s, s)
+    idx = torch.stack([torch.stack([torch.randperm(i + 1)[:topk] if i + 1 >= topk else
+                                    torch.arange(i + 1).repeat(topk)[:topk] for i in range(s)]) for _ in range(b)])
+    keep = torch.zeros(b, s, s, dtype=torch.bool).scatter(-1, idx, True)[:, None] & causal
+    w = q @ k.transpose(2, 3) * d ** -0.5
+    want = (torch.softmax(w.masked_fill(~keep, float("-inf")), -1) @ v).transpose(1, 2)
+    am = causal if mask == "bool" else torch.zeros(b, 1, s, s).masked_fill(~causal, torch.finfo(torch.float32).min)
+    leaves = [t.float().requires_grad_() for t in (q, k, v)]
+    out, _ = integration.attention_forward(torch.nn.Module(), *leaves, am, scaling=d ** -0.5, indices=idx.int())
+    torch.testing.assert_close(out.double(), want, atol=1e-5, rtol=1e-5)
+    g = torch.randn_like(want)
+    ref = [t.clone().requires_grad_() for t in (q, k, v)]
+    w = ref[0] @ ref[1].transpose(2, 3) * d ** -0.5
+    ref_out = (torch.softmax(w.masked_fill(~keep, float("-inf")), -1) @ ref[2]).transpose(1, 2)
+    for a, r in zip(torch.autograd.grad(out, leaves, g.float()), torch.autograd.grad(ref_out, ref, g)):
+        torch.testing.assert_close(a.double(), r, atol=1e-4, rtol=1e-4)
+
+
 def test_sinks_with_packed_sequences_raise():
     q = torch.randn(1, 4, 10, 16)
     cu = torch.tensor([0, 4, 10], dtype=torch.int32)

@@ -15,7 +15,8 @@ with transformers' flash kwargs (cu_seq_lens_q / _k, max_length_q / _k, from
 DataCollatorWithFlattening(return_flash_attn_kwargs=True)) run as one varlen call, as in
 transformers' flash-attention path. Attention sinks (`s_aux`: one logit per head that joins every
 row's softmax and carries no value, as gpt-oss has them; `sinks`: one per head and query row) and
-an additive `position_bias` (T5's relative positions) are supported on padded batches.
+an additive `position_bias` (T5's relative positions) are supported on padded batches, and so
+are `indices` (DeepSeek sparse attention: the keys each query may see, (batch, q_len, topk)).
 transformers is an optional dependency: nothing here imports it before `register` is called.
 """
 
@@ -44,9 +45,9 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     sinks = kwargs.get("s_aux", kwargs.get("sinks"))
     position_bias = kwargs.get("position_bias")
     if all(x is not None for x in packing) and (attention_mask is None or attention_mask.dim() == 4):
-        if sinks is not None or position_bias is not None:
-            raise NotImplementedError("fa_exact: attention sinks (s_aux, sinks) and position_bias with packed "
-                                      "sequences (flash kwargs) are not supported; pad the batch instead")
+        if sinks is not None or position_bias is not None or kwargs.get("indices") is not None:
+            raise NotImplementedError("fa_exact: attention sinks (s_aux, sinks), position_bias and indices with "
+                                      "packed sequences (flash kwargs) are not supported; pad the batch instead")
         return _packed_forward(q, k, v, *packing, dropout, scaling, bool(causal), sliding_window, softcap), None
     bias = None
     if attention_mask is not None:
@@ -54,6 +55,14 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
             bias = attention_mask[:, -k.shape[1]:].bool()[:, None, None, :]
         else:  # the full pattern (bool True = attend, or additive), causality included
             bias, causal = attention_mask, False
+    indices = kwargs.get("indices")
+    if indices is not None:  # a query sees only its selected keys (within the mask)
+        keep = torch.zeros(*q.shape[:2], k.shape[1], dtype=torch.bool, device=q.device)
+        keep = keep.scatter(-1, indices.long(), True)[:, None]
+        if bias is None or bias.dtype == torch.bool:
+            bias = keep if bias is None else bias & keep
+        else:  # (as eager masks: the dtype's lowest value)
+            bias = bias.masked_fill(~keep, torch.finfo(bias.dtype).min)
     if position_bias is not None:  # added to the scores before the mask (its gradient flows back)
         mask = 0.0 if bias is None else torch.where(bias, 0.0, float("-inf")) if bias.dtype == torch.bool else bias
         bias = position_bias + mask
