@@ -207,8 +207,10 @@ def test_sparse_indices_match_eager_formula(mask):
         torch.testing.assert_close(a.double(), r, atol=1e-4, rtol=1e-4)
 
 
-def test_sinks_with_packed_sequences_raise():
+def test_unsupported_arguments_raise():
     q = torch.randn(1, 4, 10, 16)
+    with pytest.raises(NotImplementedError, match="block_indices"):
+        integration.attention_forward(torch.nn.Module(), q, q, q, None, block_indices=torch.zeros(1, 1, 10, 2))
     cu = torch.tensor([0, 4, 10], dtype=torch.int32)
     with pytest.raises(NotImplementedError, match="sinks"):
         integration.attention_forward(torch.nn.Module(), q, q, q, None, is_causal=True, s_aux=torch.zeros(4),

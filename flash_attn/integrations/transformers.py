@@ -55,6 +55,9 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
             bias = attention_mask[:, -k.shape[1]:].bool()[:, None, None, :]
         else:  # the full pattern (bool True = attend, or additive), causality included
             bias, causal = attention_mask, False
+    if kwargs.get("block_indices") is not None:  # (MiniMax-M3's block selection: a mask its own code builds)
+        raise NotImplementedError("fa_exact: block_indices (block-sparse key selection) is not supported; use "
+                                  "attn_implementation='eager' or 'sdpa' for this model")
     indices = kwargs.get("indices")
     if indices is not None:  # a query sees only its selected keys (within the mask)
         keep = torch.zeros(*q.shape[:2], k.shape[1], dtype=torch.bool, device=q.device)
