@@ -83,10 +83,10 @@ def _with_sinks(q, k, v, sinks, bias, causal, window, dropout, scaling, softcap)
     share dropped (it has no value); sinks (heads,) or (batch, heads, seqlen_q, 1). Without
     gradients, exactly the plain output scaled by the keys' share of each row, sigmoid(lse - sink).
     With them, a key is prepended whose score is the sink: the head dim gains a feature, the row's
-    sink / scale in q and 1 in that key (0 in the others),
-    and the key's value is 0 (v gains a zero feature too), so the kernels' own backward gives every gradient, the sinks'
-    included (through q). Masks get a visible column for it; causal alignment is unchanged (the
-    queries keep their distance to the last key)."""
+    sink / scale in q and 1 in that key (0 in the others), and the key's value is 0 (v gains a zero
+    feature too), so the kernels' own backward gives every gradient, the sinks' included (through
+    q). Masks get a visible column for it; causal alignment is unchanged (the queries keep their
+    distance to the last key)."""
     b, sq, h, d = q.shape
     rows = (sinks[None, :, None] if sinks.dim() == 1 else sinks.reshape(sinks.shape[0], h, -1)).expand(b, h, sq)
     if not (torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, sinks, bias) if t is not None)):
