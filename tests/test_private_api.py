@@ -75,8 +75,38 @@ def test_varlen_forms(device):
     for g, rg in zip(grads, torch.autograd.grad(ref, (qr, kr, vr), dout)):
         assert torch.equal(g, rg)
     assert softmax_d.shape == (4, sum(lengths))
-    with pytest.raises(NotImplementedError, match="seqused_k"):
-        _flash_attn_varlen_forward(q, k, v, cu, cu, 70, 70, 0.0, None, True, seqused_k=cu[1:])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("which", ["seqused_k", "leftpad_k", "both"])
+def test_varlen_forward_with_used_keys(device, which):
+    """leftpad_k / seqused_k: sequence i reads only its key rows [leftpad_k[i], seqused_k[i]),
+    the same as a call on those rows alone (causal aligned to them)."""
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    lens_q, lens_k = [3, 0, 9, 1], [70, 4, 33, 10]
+    first = [5, 0, 0, 10] if which != "seqused_k" else [0] * 4
+    end = [60, 4, 1, 10] if which != "leftpad_k" else lens_k
+    cu_q, cu_k = (torch.tensor([0] + n, device=device).cumsum(0).to(torch.int32) for n in (lens_q, lens_k))
+    q = torch.randn(sum(lens_q), 4, 32, dtype=dtype, device=device)
+    k, v = (torch.randn(sum(lens_k), 2, 32, dtype=dtype, device=device) for _ in range(2))
+    i32 = dict(dtype=torch.int32, device=device)
+    extra = dict(leftpad_k=torch.tensor(first, **i32) if which != "seqused_k" else None,
+                 seqused_k=torch.tensor(end, **i32) if which != "leftpad_k" else None)
+    out, lse, _, _ = _flash_attn_varlen_forward(q, k, v, cu_q, cu_k, 9, 70, 0.0, None, True, alibi_slopes=None,
+                                                 **extra)
+    rows = torch.cat([torch.arange(c + f, c + e) for c, f, e in zip(cu_k[:-1].tolist(), first, end)]).to(device)
+    cu_used = torch.tensor([0] + [e - f for f, e in zip(first, end)], device=device).cumsum(0).to(torch.int32)
+    ref, ref_lse, _ = flash_attn_varlen_func(q, k[rows], v[rows], cu_q, cu_used, 9, 70, causal=True,
+                                             return_attn_probs=True)
+    assert torch.equal(out, ref) and torch.equal(lse, ref_lse)
+    assert torch.isfinite(out).all()
+    if which != "seqused_k":  # the last sequence has no keys left
+        assert (out[cu_q[3]:] == 0).all() and (lse[:, cu_q[3]:] == float("-inf")).all()
+    bad = dict(extra, seqused_k=torch.tensor([71, 4, 33, 10], **i32))
+    with pytest.raises(ValueError, match="seqused_k"):
+        _flash_attn_varlen_forward(q, k, v, cu_q, cu_k, 9, 70, 0.0, None, True, **bad)
+    with pytest.raises(ValueError, match="int32 tensor of shape"):
+        _flash_attn_varlen_forward(q, k, v, cu_q, cu_k, 9, 70, 0.0, None, True, seqused_k=cu_k[1:].long())
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -94,6 +124,16 @@ def test_varlen_forward_with_block_table(device):
     ref, ref_lse, _ = flash_attn_varlen_func(q, kp, vp, cu_q, cu_k, 5, 300, causal=True, block_table=table,
                                              return_attn_probs=True)
     assert torch.equal(out, ref) and torch.equal(lse, ref_lse) and s_dmask is None and rng_state.shape == (2,)
+    used = [200, 7, 0, 1]  # seqused_k: the first keys of each sequence's pages
+    cu_used = torch.tensor([0] + used, device=device).cumsum(0).to(torch.int32)
+    out, lse, _, _ = _flash_attn_varlen_forward(q, kp, vp, cu_q, cu_k, 5, 300, 0.0, None, True, block_table=table,
+                                                 seqused_k=torch.tensor(used, dtype=torch.int32, device=device))
+    ref, ref_lse, _ = flash_attn_varlen_func(q, kp, vp, cu_q, cu_used, 5, 300, causal=True, block_table=table,
+                                             return_attn_probs=True)
+    assert torch.equal(out, ref) and torch.equal(lse, ref_lse)
+    with pytest.raises(NotImplementedError, match="leftpad_k"):
+        _flash_attn_varlen_forward(q, kp, vp, cu_q, cu_k, 5, 300, 0.0, None, True, block_table=table,
+                                   leftpad_k=torch.zeros(4, dtype=torch.int32, device=device))
     with pytest.raises(NotImplementedError, match="dropout_p must be 0"):
         _flash_attn_varlen_forward(q, kp, vp, cu_q, cu_k, 5, 300, 0.1, None, True, block_table=table)
     with pytest.raises(NotImplementedError, match="return_softmax"):
