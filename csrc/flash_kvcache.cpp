@@ -268,8 +268,10 @@ std::tuple<at::Tensor, at::Tensor> mha_fwd_kvcache(const at::Tensor& q, at::Tens
   check_per_batch(seqlens, "cache_seqlens", b, q);
   if (idx) check_per_batch(*idx, "cache_batch_idx", b, q);
   if (lp) check_per_batch(*lp, "cache_leftpad", b, q);
-  TORCH_CHECK(idx || table || entries == b, "flash_attn_with_kvcache: k_cache has ", entries, " batch entries and q ",
-              b, "; pass cache_batch_idx to pick entries");
+  // (Without cache_batch_idx batch entry i reads cache entry i, as flash-attn's: a cache allocated
+  // for a larger batch serves a smaller one.)
+  TORCH_CHECK(idx || table || entries >= b, "flash_attn_with_kvcache: k_cache has ", entries,
+              " batch entries, fewer than q's ", b, "; pass cache_batch_idx to pick entries");
   TORCH_CHECK(entries > 0 || b == 0, "flash_attn_with_kvcache: k_cache has no ", table ? "pages" : "batch entries",
               " for q's ", b);
   constexpr int64_t kIntMax = std::numeric_limits<int>::max();

@@ -50,6 +50,8 @@ def make_case(device, dtype, b=3, entries=None, rows=80, sq=1, sn=1, h=4, hk=2, 
         if lp is not None:
             k_cache[e, :int(lp[i])] = float("nan")
             v_cache[e, :int(lp[i])] = float("nan")
+    if idx is None:  # entries past the batch's (a cache allocated for a larger batch)
+        k_cache[b:] = v_cache[b:] = float("nan")
     k = torch.randn(b, sn, hk, d, dtype=dtype, device=device) if sn else None
     v = torch.randn(b, sn, hk, d, dtype=dtype, device=device) if sn else None
     return q, k_cache, v_cache, k, v, seqlens, idx, lp
@@ -149,6 +151,14 @@ def test_kvcache_batch_of_one(sq, hk, device):
 @pytest.mark.parametrize("causal", [False, True])
 def test_kvcache_rotary(interleaved, causal, device):
     check_kvcache(device, sq=4, sn=4, rotary=interleaved, causal=causal)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("sq", [1, 3])
+def test_kvcache_larger_cache_than_batch(sq, device):
+    """Without cache_batch_idx batch entry i reads cache entry i (as flash-attn's), so a cache
+    allocated for a larger batch serves a smaller one; its other entries are never touched."""
+    check_kvcache(device, b=2, entries=5, sq=sq, sn=2, causal=True)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -325,7 +335,7 @@ def test_kvcache_paged_unlisted_pages_may_hold_anything():
     (dict(k=torch.randn(2, 1, 2, 32)), "k must have shape"),
     (dict(k=torch.randn(2, 1, 1, 32, dtype=torch.float64)), "k must have the cache's dtype"),
     (dict(v_cache=torch.randn(2, 9, 1, 32)), "v_cache must have the shape of k_cache"),
-    (dict(k_cache=torch.randn(3, 10, 1, 32), v_cache=torch.randn(3, 10, 1, 32)), "pass cache_batch_idx"),
+    (dict(k_cache=torch.randn(1, 10, 1, 32), v_cache=torch.randn(1, 10, 1, 32)), "fewer than q's 2; pass cache_batch_idx"),
     (dict(q=torch.randn(2, 2, 32)), "q must have shape"),
     (dict(rotary_cos=torch.randn(10, 8)), "rotary_cos and rotary_sin must be given together"),
     (dict(rotary_cos=torch.randn(9, 8), rotary_sin=torch.randn(9, 8)), "covers 9 positions"),
