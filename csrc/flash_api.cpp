@@ -605,8 +605,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> run_fwd(
     const at::Tensor rows = x.reshape({x.size(0) * x.size(1), x.size(2), x.size(3)});
     return vl.present() ? rows : rows.unsqueeze(0).expand({q_in.size(0), -1, -1, -1});
   };
-  const Call c = check_call(q_in, kv ? as_cache(k_in) : k_in, kv ? as_cache(v_in) : v_in, vl, mask, mods, dropout_p,
-                            softmax_scale, window_size_left, window_size_right);
+  // (On the CPU a 16-bit cache arrives in float32, so q follows it, after the dtypes are compared.)
+  const bool cpu_cache16 = kv && q_in.is_cpu() && (q_in.scalar_type() == at::kHalf || q_in.scalar_type() == at::kBFloat16);
+  if (cpu_cache16)
+    TORCH_CHECK(k_in.scalar_type() == q_in.scalar_type() && v_in.scalar_type() == q_in.scalar_type(),
+                "flash_attn: k and v must have the dtype of q (", q_in.scalar_type(), "), got ", k_in.scalar_type(),
+                " and ", v_in.scalar_type());
+  const Call c = check_call(cpu_cache16 ? as_float(q_in) : q_in, kv ? as_cache(k_in) : k_in,
+                            kv ? as_cache(v_in) : v_in, vl, mask, mods, dropout_p, softmax_scale, window_size_left,
+                            window_size_right);
   const at::Tensor &q = c.q, &k = c.k, &v = c.v;
   const Shapes &packed = c.packed, &s = c.s;
   const double scale = c.scale;
@@ -683,6 +690,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> run_fwd(
   }
   cpu::run_fwd(p);
   if (!out_f.is_same(out)) out.copy_(out_f);
+  if (cpu_cache16) out = out.to(q_in.scalar_type());
   return {unpack(out), lse, return_softmax ? probs.to(q.scalar_type()) : probs, rng_state};
 }
 

@@ -59,9 +59,9 @@ def make_case(device, dtype, b=3, entries=None, rows=80, sq=1, sn=1, h=4, hk=2, 
 
 def check_kvcache(device, b=3, entries=None, rows=80, sq=1, sn=1, h=4, hk=2, d=64, seqlens=None, leftpad=None,
                   batch_idx=None, rotary=None, causal=False, window_size=(-1, -1), alibi=False, softcap=0.0,
-                  softmax_scale=None, num_splits=0, page=None):
+                  softmax_scale=None, num_splits=0, page=None, dtype=None):
     """page: the same case through a paged cache of that many rows a page (block_table)."""
-    dtype = dtype_for(device)
+    dtype = dtype or dtype_for(device)
     q, k_cache, v_cache, k, v, seqlens, idx, lp = make_case(device, dtype, b, entries, rows, sq, sn, h, hk, d,
                                                             seqlens, leftpad, batch_idx)
     cos = sin = None
@@ -151,6 +151,18 @@ def test_kvcache_batch_of_one(sq, hk, device):
 @pytest.mark.parametrize("causal", [False, True])
 def test_kvcache_rotary(interleaved, causal, device):
     check_kvcache(device, sq=4, sn=4, rotary=interleaved, causal=causal)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("case", ["plain", "rotary", "idx_leftpad", "paged"])
+def test_kvcache_16_bit_on_the_cpu(case, dtype):
+    """A 16-bit cache on the CPU (read in float32 there) gives q's dtype back."""
+    kw = dict(plain=dict(sq=3, sn=2, causal=True), rotary=dict(sq=2, sn=2, rotary=False, causal=True),
+              idx_leftpad=dict(b=3, entries=5, rows=150, sq=2, sn=3, batch_idx=[4, 0, 2], leftpad=[0, 20, 77],
+                               seqlens=[10, 30, 140]),
+              paged=dict(rows=512, sq=2, sn=1, page=256))[case]
+    out, _ = check_kvcache("cpu", dtype=dtype, **kw)
+    assert out.dtype == dtype
 
 
 @pytest.mark.parametrize("device", DEVICES)
