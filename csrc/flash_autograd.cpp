@@ -108,6 +108,45 @@ class FlashAttnFunction : public torch::autograd::Function<FlashAttnFunction> {
   }
 };
 
+// flash_attn::bwd is not differentiable. Where a gradient would flow through it (a second
+// derivative: grad(..., create_graph=True), then backward through its result) its outputs carry a
+// node that raises, instead of the dispatcher's fallback, which only warns and lets the second
+// derivative come out silently wrong (no gradient reaches q, k, v).
+class FlashAttnBackwardFunction : public torch::autograd::Function<FlashAttnBackwardFunction> {
+ public:
+  template <typename... Args>
+  static variable_list forward(AutogradContext* ctx, const Args&... args) {
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    auto [dq, dk, dv, dbias] = op_handle<BwdSig>("flash_attn::bwd").call(args...);
+    return {dq, dk, dv, dbias};
+  }
+  static variable_list backward(AutogradContext*, variable_list) {
+    TORCH_CHECK(false, "flash_attn: the attention backward is not differentiable, so second derivatives are not "
+                "supported (a gradient taken with create_graph=True, then differentiated again)");
+  }
+};
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_autograd(
+    const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
+    const at::Tensor& lse, double dropout_p, std::optional<double> softmax_scale, bool causal, int64_t window_left,
+    int64_t window_right, bool deterministic, const OptTensor& rng_state, const OptTensor& block_layout,
+    const OptTensor& q_block_lists, const OptTensor& k_block_lists, const OptTensor& cu_seqlens_q,
+    const OptTensor& cu_seqlens_k, c10::SymInt max_seqlen_q, c10::SymInt max_seqlen_k, const OptTensor& attn_bias,
+    const OptTensor& alibi_slopes, double softcap, bool bias_requires_grad) {
+#define FLASH_BWD_ARGS                                                                                              \
+  dout, q, k, v, out, lse, dropout_p, softmax_scale, causal, window_left, window_right, deterministic, rng_state,   \
+      block_layout, q_block_lists, k_block_lists, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, attn_bias, \
+      alibi_slopes, softcap, bias_requires_grad
+  if (!at::GradMode::is_enabled()) {  // (every first-order backward: no node to record)
+    static const auto bwd = op_handle<BwdSig>("flash_attn::bwd");
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    return bwd.call(FLASH_BWD_ARGS);
+  }
+  const variable_list r = FlashAttnBackwardFunction::apply(FLASH_BWD_ARGS);
+#undef FLASH_BWD_ARGS
+  return {r[0], r[1], r[2], r[3]};
+}
+
 FwdResult fwd_autograd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double dropout_p,
                        std::optional<double> softmax_scale, bool causal, int64_t window_left, int64_t window_right,
                        bool return_softmax, bool deterministic, const OptTensor& block_layout,
@@ -124,4 +163,7 @@ FwdResult fwd_autograd(const at::Tensor& q, const at::Tensor& k, const at::Tenso
 }  // namespace
 }  // namespace flash
 
-TORCH_LIBRARY_IMPL(flash_attn, Autograd, m) { m.impl("fwd", &flash::fwd_autograd); }
+TORCH_LIBRARY_IMPL(flash_attn, Autograd, m) {
+  m.impl("fwd", &flash::fwd_autograd);
+  m.impl("bwd", &flash::bwd_autograd);
+}

@@ -78,3 +78,18 @@ def test_backward_op_checks_its_inputs():
         bwd(out, q, k, v, out, lse, 0.1)
     with pytest.raises(RuntimeError, match=r"rng_state must be an int64 tensor of 2 elements"):
         bwd(out, q, k, v, out, lse, 0.1, rng_state=torch.zeros(3, dtype=torch.int64))
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_second_derivative_raises_instead_of_being_wrong(bias):
+    """The backward is not differentiable: differentiating a gradient taken with create_graph=True
+    raises (the dispatcher's fallback let it run with no gradient reaching q, k, v); the
+    first-order gradients under create_graph=True are the plain ones."""
+    q, k, v = (t(*GOOD[n]).requires_grad_() for n in "qkv")
+    kw = dict(causal=True, attn_bias=t(16, 20).requires_grad_() if bias else None)
+    inputs = (q, k, v) + ((kw["attn_bias"],) if bias else ())
+    first = torch.autograd.grad(flash_attn_func(q, k, v, **kw).sum(), inputs, create_graph=True)
+    plain = torch.autograd.grad(flash_attn_func(q, k, v, **kw).sum(), inputs)
+    assert all(torch.equal(a, b) for a, b in zip(first, plain)) and first[0].requires_grad
+    with pytest.raises(RuntimeError, match="second derivatives are not supported"):
+        first[0].square().sum().backward()
