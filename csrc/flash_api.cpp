@@ -892,7 +892,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> mha_bwd(
 bool gqa_fold_applies(const at::Tensor& q, int64_t nheads_k, int64_t window_size_left, int64_t window_size_right,
                       bool alibi) {
   return q.dim() == 4 && q.size(1) == 1 && nheads_k > 0 && q.size(2) > nheads_k && q.size(2) % nheads_k == 0 &&
-         window_size_left < 0 && window_size_right < 0 && !alibi;
+         window_size_left == -1 && window_size_right == -1 && !alibi;
 }
 
 at::Tensor fold_gqa_queries(const at::Tensor& q, int64_t nheads_k) {

@@ -169,10 +169,10 @@ void check_cache_in_place(const char* fn, const at::Tensor& t, const char* name)
 }
 
 // The varlen op's key counts and block table, read on the host in one copy (with the index
-// checks' policy): each count in [0, the table's rows], the pages holding them pages of the cache;
-// unit_cu_q (one query per sequence): cu_seqlens_q is 0, 1, ..., batch.
+// checks' policy): each count in [0, the table's rows] and at most max_seqlen_k, the pages holding
+// them pages of the cache; unit_cu_q (one query per sequence): cu_seqlens_q is 0, 1, ..., batch.
 void check_varlen_pages(const at::Tensor& keys, const at::Tensor& table, int64_t page_rows, int64_t rows,
-                        int64_t entries, const at::Tensor* unit_cu_q) {
+                        int64_t entries, int64_t max_seqlen_k, const at::Tensor* unit_cu_q) {
   if (!index_value_checks_wanted(keys)) return;
   const int64_t b = keys.numel(), pages = table.size(1);
   std::vector<at::Tensor> parts{keys, table.reshape({-1})};
@@ -183,6 +183,8 @@ void check_varlen_pages(const at::Tensor& keys, const at::Tensor& table, int64_t
     TORCH_CHECK(pk[i] >= 0 && pk[i] <= rows, kVarlen, ": sequence ", i, " has ", pk[i], " keys (cu_seqlens_k[", i + 1,
                 "] - cu_seqlens_k[", i, "]); with block_table that must be in [0, ", rows, "], the rows of its ",
                 pages, " pages");
+    TORCH_CHECK(pk[i] <= max_seqlen_k, kVarlen, ": max_seqlen_k = ", max_seqlen_k, " is smaller than sequence ", i,
+                "'s length ", pk[i], " (from cu_seqlens_k)");
     check_pages(kVarlen, pk + b + i * pages, i, pk[i], page_rows, entries);
   }
   for (int64_t i = 0; unit_cu_q && i <= b; ++i)
@@ -321,7 +323,8 @@ std::tuple<at::Tensor, at::Tensor> mha_varlen_fwd_paged(const at::Tensor& q, con
   // Each sequence's key count, and (one decoding query per sequence) the fold's read as a padded batch.
   const at::Tensor keys = cu_seqlens_k.narrow(0, 1, b) - cu_seqlens_k.narrow(0, 0, b);
   const bool one_query_each = max_seqlen_q == 1 && q.size(0) == b;
-  check_varlen_pages(keys, block_table, k_cache.size(1), rows, entries, one_query_each ? &cu_seqlens_q : nullptr);
+  check_varlen_pages(keys, block_table, k_cache.size(1), rows, entries, max_seqlen_k,
+                     one_query_each ? &cu_seqlens_q : nullptr);
   const KvCacheRead kv{keys.data_ptr<int32_t>(), nullptr, nullptr, 0};
   if (one_query_each) {  // sequence i is query row i: a batch of one query each (GQA folds there)
     auto [out, lse] = read_cache(q.unsqueeze(1), k_cache, v_cache, kv, block_table, softmax_scale, causal,

@@ -10,5 +10,10 @@ for tool in memcheck racecheck; do
   compute-sanitizer --tool $tool --error-exitcode 9 python3 scripts/sanitize_kernels.py > "$OUT/sanitize_$tool.log" 2>&1
   echo "compute-sanitizer $tool: rc=$? $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/sanitize_$tool.log" | tail -1)"
 done
+# Spoiled and edge-size arguments (tests/test_argument_fuzz.py) under memcheck, each allocation
+# its own (the caching allocator's pools would hide an overrun into a neighbour).
+PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck --error-exitcode 9 \
+  python3 -m pytest tests/test_argument_fuzz.py -q -k cuda > "$OUT/sanitize_fuzz.log" 2>&1
+echo "compute-sanitizer memcheck on the argument fuzz: rc=$? $(grep -E 'ERROR SUMMARY|passed|failed' "$OUT/sanitize_fuzz.log" | tail -2 | tr '\n' ' ')"
 [ -n "${2:-}" ] && python3 benchmarks/benchmark_attention.py $2 --out "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log" | tail -40
 exit 0

@@ -36,6 +36,8 @@ def call(q=None, k=None, v=None, **kw):
     (dict(dropout_p=1.0), r"dropout_p must be in \[0, 1\), got 1"),
     (dict(dropout_p=-0.1), r"dropout_p must be in \[0, 1\), got -0.1"),
     (dict(window_size=(-2, 0)), r"window sizes must be -1 \(unbounded\) or >= 0, got \(-2, 0\)"),
+    # (one query per head under GQA runs folded: it once skipped the window check)
+    (dict(q=t(2, 1, 4, 32), window_size=(-2, -1)), r"window sizes must be -1 \(unbounded\) or >= 0, got \(-2, -1\)"),
     (dict(softmax_scale=float("nan")), r"softmax_scale must be finite"),
 ])
 def test_bad_input_raises_clear_error(kwargs, match):
