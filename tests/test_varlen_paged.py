@@ -132,6 +132,9 @@ def good():
     (dict(cu_seqlens_k=torch.tensor([0, 600, 609], dtype=torch.int32), max_seqlen_k=600),
      "sequence 0 has 600 keys"),
     (dict(cu_seqlens_k=torch.tensor([0, 300, 309], dtype=torch.int32), max_seqlen_k=299), "max_seqlen_k = 299"),
+    # (one query per sequence takes a path of its own, which once skipped this check)
+    (dict(q=torch.randn(2, 2, 32), cu_seqlens_q=torch.tensor([0, 1, 2], dtype=torch.int32), max_seqlen_q=1,
+          max_seqlen_k=299), "max_seqlen_k = 299 is smaller than sequence 0's length 300"),
     (dict(cu_seqlens_q=torch.tensor([0, 3, 5], dtype=torch.int32)), r"cu_seqlens_q\[-1\] must equal"),
     (dict(cu_seqlens_q=torch.tensor([0, 4], dtype=torch.int32)), "same length"),
     (dict(cu_seqlens_q=torch.tensor([0, 3, 4])), "cu_seqlens_q must be a 1-D int32"),
