@@ -588,14 +588,6 @@ void set_cuda_philox(FwdParams& p) {
 }
 #endif
 
-// The rows of a cache (not paged) that some batch entry reads: up to the longest entry's keys,
-// the new ones included; at least one.
-int64_t cache_rows_read(const KvCacheRead& kv, int64_t batch, int64_t rows) {
-  int64_t used = 1;
-  for (int64_t i = 0; i < batch; ++i) used = std::max<int64_t>(used, int64_t(kv.seqused[i]) + kv.seqlen_new);
-  return std::min(used, rows);
-}
-
 // The forward after the op's arguments are gathered: checks, allocation, the kernels. kv: k_in and
 // v_in are a KV cache (entries, rows, h_k, d) read as kv says; out then takes q's strides (the
 // KV-cache op passes a permuted view of q). num_splits (CUDA, no dropout or probabilities): 1,
@@ -606,27 +598,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> run_fwd(
     int64_t window_size_left, int64_t window_size_right, bool return_softmax, const KvCacheRead* kv = nullptr,
     int num_splits = 1) {
   // A cache is one packed row range that every batch entry sees (batch stride 0; with varlen q,
-  // the packed rows of a varlen k); on the CPU in float32 before the broadcast, which as_float
-  // would otherwise copy once per batch entry.
+  // the packed rows of a varlen k), read in place in its own dtype (the CPU converts a 16-bit
+  // one tile by tile).
   const auto as_cache = [&](const at::Tensor& t) {
-    const at::Tensor x = t.is_cpu() ? as_float(t) : t;
-    const at::Tensor rows = x.reshape({x.size(0) * x.size(1), x.size(2), x.size(3)});
+    const at::Tensor rows = t.reshape({t.size(0) * t.size(1), t.size(2), t.size(3)});
     return vl.present() ? rows : rows.unsqueeze(0).expand({q_in.size(0), -1, -1, -1});
   };
-  // (On the CPU a 16-bit cache arrives in float32, so q follows it, after the dtypes are compared;
-  // a cache that is not paged is converted only up to the last row some batch entry reads.)
-  const bool cpu_cache16 = kv && q_in.is_cpu() && (q_in.scalar_type() == at::kHalf || q_in.scalar_type() == at::kBFloat16);
-  if (cpu_cache16)
-    TORCH_CHECK(k_in.scalar_type() == q_in.scalar_type() && v_in.scalar_type() == q_in.scalar_type(),
-                "flash_attn: k and v must have the dtype of q (", q_in.scalar_type(), "), got ", k_in.scalar_type(),
-                " and ", v_in.scalar_type());
-  const int64_t cache_rows = cpu_cache16 && kv->block_table == nullptr && !vl.present()
-                                 ? cache_rows_read(*kv, q_in.size(0), k_in.size(1))
-                                 : (kv ? k_in.size(1) : 0);
-  const at::Tensor k_cache = kv ? k_in.narrow(1, 0, cache_rows) : k_in, v_cache = kv ? v_in.narrow(1, 0, cache_rows) : v_in;
-  const Call c = check_call(cpu_cache16 ? as_float(q_in) : q_in, kv ? as_cache(k_cache) : k_in,
-                            kv ? as_cache(v_cache) : v_in, vl, mask, mods, dropout_p, softmax_scale, window_size_left,
-                            window_size_right);
+  const Call c = check_call(q_in, kv ? as_cache(k_in) : k_in, kv ? as_cache(v_in) : v_in, vl, mask, mods, dropout_p,
+                            softmax_scale, window_size_left, window_size_right);
   const at::Tensor &q = c.q, &k = c.k, &v = c.v;
   const Shapes &packed = c.packed, &s = c.s;
   const double scale = c.scale;
@@ -687,12 +666,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> run_fwd(
 #endif
 
   at::Tensor rng_state = at::zeros({2}, opts.dtype(at::kLong));
-  const at::Tensor qf = as_float(q), kf = as_float(k), vf = as_float(v);
+  // (A cache stays in its dtype: the kernel converts the tiles it reads, not the whole cache.)
+  const at::Tensor qf = as_float(q), kf = kv ? k : as_float(k), vf = kv ? v : as_float(v);
   at::Tensor out_f = q.scalar_type() == at::kFloat ? out : at::empty(out.sizes(), opts.dtype(at::kFloat));
   FwdParams p;
   set_fwd_params(p, s, qf, kf, vf, out_f, lse, dropout_p, scale, causal, window_size_left, window_size_right);
+  p.kv_dtype = to_dtype(kf.scalar_type());
   set_varlen_params(p, vl, packed.seqlen_q, packed.seqlen_k);
-  set_kvcache_params(p, kv, k_cache);
+  set_kvcache_params(p, kv, k_in);
   set_block_mask(p, mask);
   const at::Tensor kbias = set_score_mods(p, mods, s, q, /*cuda=*/false);
   p.p_ptr = return_softmax ? probs.data_ptr<float>() : nullptr;
@@ -703,7 +684,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> run_fwd(
   }
   cpu::run_fwd(p);
   if (!out_f.is_same(out)) out.copy_(out_f);
-  if (cpu_cache16) out = out.to(q_in.scalar_type());
   return {unpack(out), lse, return_softmax ? probs.to(q.scalar_type()) : probs, rng_state};
 }
 

@@ -129,6 +129,9 @@ struct FwdParams : QKVParams {
   bool score_mod = false;                                // any of the three is on
 
   DType dtype = DType::kFloat32;
+  // CPU: K and V's element type (float32 but for a 16-bit KV cache, which the forward converts
+  // tile by tile instead of copying it whole).
+  DType kv_dtype = DType::kFloat32;
 };
 
 struct BwdParams : FwdParams {

@@ -1,5 +1,6 @@
 // The CPU implementation of the FlashAttention algorithm: the executable specification that the
-// GPU kernels are tested against. Works on float32 tensors; the op layer converts fp16/bf16.
+// GPU kernels are tested against. Works on float32 tensors (the op layer converts fp16/bf16),
+// except a 16-bit KV cache, which the forward reads in place and converts tile by tile.
 #pragma once
 
 #include "../flash_params.h"

@@ -1,9 +1,13 @@
 // CPU forward: for each (batch, head, query block) stream the key/value blocks, keep a running
 // row max and sum, rescale the accumulator, and never hold more than one tile of scores.
 #include <ATen/Parallel.h>
+#include <ATen/cpu/vec/functional.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
 
 #include <cmath>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "../block_mask.h"
@@ -24,10 +28,12 @@ constexpr float kLn2 = 0.6931471805599453f;
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kInf = std::numeric_limits<float>::infinity();
 
+// KV: K and V's element type; float, or a 16-bit KV cache read in place (key_rows converts).
+template <typename KV>
 struct HeadView {
   const float* q;
-  const float* k;
-  const float* v;
+  const KV* k;
+  const KV* v;
   float* o;
   float* lse;
   float* probs;  // (seqlen_q, seqlen_k) for this head, or nullptr
@@ -36,12 +42,13 @@ struct HeadView {
 };
 
 // p: a seq_view.
-HeadView head_view(const FwdParams& p, int b, int h) {
+template <typename KV>
+HeadView<KV> head_view(const FwdParams& p, int b, int h) {
   const int hk = h / p.h_h_k_ratio;
-  HeadView v;
+  HeadView<KV> v;
   v.q = rows_of<const float>(p.q_ptr, b, h, p.q_row0, p.q_batch_stride, p.q_row_stride, p.q_head_stride);
-  v.k = rows_of<const float>(p.k_ptr, b, hk, p.k_row0, p.k_batch_stride, p.k_row_stride, p.k_head_stride);
-  v.v = rows_of<const float>(p.v_ptr, b, hk, p.k_row0, p.v_batch_stride, p.v_row_stride, p.v_head_stride);
+  v.k = rows_of<const KV>(p.k_ptr, b, hk, p.k_row0, p.k_batch_stride, p.k_row_stride, p.k_head_stride);
+  v.v = rows_of<const KV>(p.v_ptr, b, hk, p.k_row0, p.v_batch_stride, p.v_row_stride, p.v_head_stride);
   v.o = rows_of<float>(p.o_ptr, b, h, p.q_row0, p.o_batch_stride, p.o_row_stride, p.o_head_stride);
   v.b = b;
   v.h = h;
@@ -52,18 +59,46 @@ HeadView head_view(const FwdParams& p, int b, int h) {
 }
 
 struct Scratch {
-  std::vector<float> s, acc, m, l;
+  std::vector<float> s, acc, m, l, rows;  // rows: a 16-bit K or V tile in float32
   std::vector<uint8_t> keep;
-  Scratch(int d, bool dropout)
-      : s(kBlockM * kBlockN), acc(kBlockM * d), m(kBlockM), l(kBlockM),
+  Scratch(int d, bool dropout, bool kv16)
+      : s(kBlockM * kBlockN), acc(kBlockM * d), m(kBlockM), l(kBlockM), rows(kv16 ? kBlockN * d : 0),
         keep(dropout ? kBlockM * kBlockN : 0) {}
 };
 
+// Rows [j0, j0 + n) of K or V (row stride ld) as float32: in place, or a 16-bit cache's rows
+// converted into w.rows; ld_out: the returned rows' stride.
+template <typename KV>
+const float* key_rows(const KV* x, int64_t ld, int j0, int n, int d, Scratch& w, int64_t& ld_out) {
+  if constexpr (std::is_same_v<KV, float>) {
+    ld_out = ld;
+    return x + j0 * ld;
+  } else {
+    using V16 = at::vec::Vectorized<KV>;
+    for (int r = 0; r < n; ++r) {
+      const KV* src = x + (j0 + r) * ld;
+      float* dst = w.rows.data() + int64_t(r) * d;
+      int c = 0;
+      for (; c + V16::size() <= d; c += V16::size()) {
+        auto [lo, hi] = at::vec::convert_to_float<KV>(V16::loadu(src + c));
+        lo.store(dst + c);
+        hi.store(dst + c + V16::size() / 2);
+      }
+      for (; c < d; ++c) dst[c] = float(src[c]);
+    }
+    ld_out = d;
+    return w.rows.data();
+  }
+}
+
 // Scores of rows [i0, i0+rows) against keys [j0, j0+cols) into w.s (ld kBlockN), and the
 // tile's dropout keep-mask into w.keep when dropout is on.
-void score_tile(const FwdParams& p, const HeadView& hv, int i0, int rows, int j0, int cols, Scratch& w) {
-  gemm_rowmajor(false, true, rows, cols, p.d, 1.f, hv.q + i0 * p.q_row_stride, p.q_row_stride,
-                hv.k + j0 * p.k_row_stride, p.k_row_stride, 0.f, w.s.data(), kBlockN);
+template <typename KV>
+void score_tile(const FwdParams& p, const HeadView<KV>& hv, int i0, int rows, int j0, int cols, Scratch& w) {
+  int64_t ldk;
+  const float* k = key_rows(hv.k, p.k_row_stride, j0, cols, p.d, w, ldk);
+  gemm_rowmajor(false, true, rows, cols, p.d, 1.f, hv.q + i0 * p.q_row_stride, p.q_row_stride, k, ldk, 0.f,
+                w.s.data(), kBlockN);
   if (p.p_dropout > 0.f)
     dropout_keep_tile(w.keep.data(), kBlockN, i0, rows, j0, cols, hv.bh, p.philox_seed, p.philox_offset,
                       p.dropout_threshold16);
@@ -71,8 +106,8 @@ void score_tile(const FwdParams& p, const HeadView& hv, int i0, int rows, int j0
 
 // Calls f(j0, cols) for the key tiles that query rows [i0, i0 + rows) visit, ascending: kBlockN
 // wide over the keys the rows can see, or, with a block mask, those keys' kept mask blocks.
-template <typename F>
-void for_each_key_tile(const FwdParams& p, const HeadView& hv, int i0, int rows, F&& f) {
+template <typename KV, typename F>
+void for_each_key_tile(const FwdParams& p, const HeadView<KV>& hv, int i0, int rows, F&& f) {
   const ColRange span = block_cols(p, i0, i0 + rows);
   const int32_t* kept = kept_key_blocks(p, hv.b, hv.h, i0 / kMaskBlock);
   if (kept == nullptr) {
@@ -88,7 +123,8 @@ void for_each_key_tile(const FwdParams& p, const HeadView& hv, int i0, int rows,
 
 int query_block_rows(const FwdParams& p) { return p.q_block_lists != nullptr ? kMaskBlock : kBlockM; }
 
-void query_block(const FwdParams& p, const HeadView& hv, int i0, Scratch& w) {
+template <typename KV>
+void query_block(const FwdParams& p, const HeadView<KV>& hv, int i0, Scratch& w) {
   const int rows = std::min(query_block_rows(p), p.seqlen_q - i0), d = p.d;
   const bool dropout = p.p_dropout > 0.f;
   std::fill(w.acc.begin(), w.acc.end(), 0.f);
@@ -121,8 +157,9 @@ void query_block(const FwdParams& p, const HeadView& hv, int i0, Scratch& w) {
       if (dropout) apply_keep(srow, srow, w.keep.data() + r * kBlockN, cols, p.rp_dropout);
     }
     // acc += P V
-    gemm_rowmajor(false, false, rows, d, cols, 1.f, w.s.data(), kBlockN, hv.v + j0 * p.v_row_stride,
-                  p.v_row_stride, 1.f, w.acc.data(), d);
+    int64_t ldv;
+    const float* v = key_rows(hv.v, p.v_row_stride, j0, cols, d, w, ldv);
+    gemm_rowmajor(false, false, rows, d, cols, 1.f, w.s.data(), kBlockN, v, ldv, 1.f, w.acc.data(), d);
   });
 
   for (int r = 0; r < rows; ++r) {
@@ -135,7 +172,8 @@ void query_block(const FwdParams& p, const HeadView& hv, int i0, Scratch& w) {
 }
 
 // The exact probabilities for return_attn_probs: recomputed once the row's logsumexp is known.
-void write_probs(const FwdParams& p, const HeadView& hv, int i0, Scratch& w) {
+template <typename KV>
+void write_probs(const FwdParams& p, const HeadView<KV>& hv, int i0, Scratch& w) {
   const int rows = std::min(query_block_rows(p), p.seqlen_q - i0);
   const bool dropout = p.p_dropout > 0.f;
   const ScoreModHead<float> mod(p, hv.b, hv.h);
@@ -159,25 +197,34 @@ void write_probs(const FwdParams& p, const HeadView& hv, int i0, Scratch& w) {
   }
 }
 
-}  // namespace
-
-void run_fwd(const FwdParams& p) {
+template <typename KV>
+void run_fwd_with(const FwdParams& p) {
   const int block_m = query_block_rows(p), n_mblocks = ceil_div(p.seqlen_q, block_m);
   const int64_t tasks = int64_t(p.b) * p.h * n_mblocks;
   if (tasks == 0) return;
   at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
-    Scratch w(p.d, p.p_dropout > 0.f);
+    Scratch w(p.d, p.p_dropout > 0.f, !std::is_same_v<KV, float>);
     for (int64_t t = begin; t < end; ++t) {
       const int mb = int(t % n_mblocks);
       const int h = int((t / n_mblocks) % p.h);
       const int b = int(t / (int64_t(n_mblocks) * p.h));
       const FwdParams ps = seq_view(p, b);
       if (mb * block_m >= ps.seqlen_q) continue;  // varlen: past this sequence's rows
-      const HeadView hv = head_view(ps, b, h);
+      const HeadView<KV> hv = head_view<KV>(ps, b, h);
       query_block(ps, hv, mb * block_m, w);
       if (hv.probs) write_probs(ps, hv, mb * block_m, w);
     }
   });
+}
+
+}  // namespace
+
+void run_fwd(const FwdParams& p) {
+  switch (p.kv_dtype) {
+    case DType::kBFloat16: return run_fwd_with<c10::BFloat16>(p);
+    case DType::kFloat16: return run_fwd_with<c10::Half>(p);
+    default: return run_fwd_with<float>(p);
+  }
 }
 
 }  // namespace flash::cpu
