@@ -107,7 +107,7 @@ def _cuda_instantiations():
 
 def _extension():
     sources = [os.path.relpath(p, ROOT) for p in
-               ["csrc/flash_api.cpp", "csrc/flash_autograd.cpp", "csrc/flash_kvcache.cpp"]
+               ["csrc/flash_api.cpp", "csrc/flash_autocast.cpp", "csrc/flash_autograd.cpp", "csrc/flash_kvcache.cpp"]
                + sorted(glob.glob(os.path.join(ROOT, "csrc", "cpu", "*.cpp")))]
     # -fopenmp: at::parallel_for is header code and runs serially unless _OPENMP is defined here;
     # the library then shares torch's libgomp (same soname, already loaded by torch).

@@ -2,13 +2,10 @@
 // training step runs no Python between the forward and the backward kernels (a Python autograd
 // function costs ~0.3 ms of host time per step: the engine's device thread must take the GIL).
 // Registered for the Autograd key, below which the CPU, CUDA and fake (torch.compile) kernels run.
-#include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/autograd.h>
 #include <torch/library.h>
 
-#include <optional>
-#include <tuple>
-
+#include "op_signatures.h"
 #include "varlen_checks.h"
 
 namespace flash {
@@ -16,23 +13,6 @@ namespace {
 
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
-using OptTensor = std::optional<at::Tensor>;
-
-using FwdResult = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
-using FwdSig = FwdResult(const at::Tensor&, const at::Tensor&, const at::Tensor&, double, std::optional<double>, bool,
-                         int64_t, int64_t, bool, bool, const OptTensor&, const OptTensor&, const OptTensor&,
-                         const OptTensor&, const OptTensor&, c10::SymInt, c10::SymInt, const OptTensor&,
-                         const OptTensor&, double);
-using BwdSig = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>(
-    const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-    double, std::optional<double>, bool, int64_t, int64_t, bool, const OptTensor&, const OptTensor&, const OptTensor&,
-    const OptTensor&, const OptTensor&, const OptTensor&, c10::SymInt, c10::SymInt, const OptTensor&, const OptTensor&,
-    double, bool);
-
-template <typename Sig>
-c10::TypedOperatorHandle<Sig> op_handle(const char* name) {
-  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Sig>();
-}
 
 OptTensor optional_of(const at::Tensor& t) { return t.defined() ? OptTensor(t) : std::nullopt; }
 
