@@ -12,12 +12,7 @@ namespace flash {
 namespace {
 
 template <c10::DeviceType kDevice>
-FwdResult fwd_autocast(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double dropout_p,
-                       std::optional<double> softmax_scale, bool causal, int64_t window_left, int64_t window_right,
-                       bool return_softmax, bool deterministic, const OptTensor& block_layout,
-                       const OptTensor& q_block_lists, const OptTensor& k_block_lists, const OptTensor& cu_seqlens_q,
-                       const OptTensor& cu_seqlens_k, c10::SymInt max_seqlen_q, c10::SymInt max_seqlen_k,
-                       const OptTensor& attn_bias, const OptTensor& alibi_slopes, double softcap) {
+FwdResult fwd_autocast(FLASH_FWD_PARAMS) {
   c10::impl::ExcludeDispatchKeyGuard no_autocast(at::autocast::get_autocast_dispatch_key_from_device_type(kDevice));
   const at::ScalarType to = at::autocast::get_autocast_dtype(kDevice);
   static const auto fwd = op_handle<FwdSig>("flash_attn::fwd");

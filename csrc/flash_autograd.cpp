@@ -18,19 +18,10 @@ OptTensor optional_of(const at::Tensor& t) { return t.defined() ? OptTensor(t) :
 
 class FlashAttnFunction : public torch::autograd::Function<FlashAttnFunction> {
  public:
-  static variable_list forward(AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                               double dropout_p, std::optional<double> softmax_scale, bool causal,
-                               int64_t window_left, int64_t window_right, bool return_softmax, bool deterministic,
-                               const OptTensor& block_layout, const OptTensor& q_block_lists,
-                               const OptTensor& k_block_lists, const OptTensor& cu_seqlens_q,
-                               const OptTensor& cu_seqlens_k, c10::SymInt max_seqlen_q, c10::SymInt max_seqlen_k,
-                               const OptTensor& attn_bias, const OptTensor& alibi_slopes, double softcap) {
+  static variable_list forward(AutogradContext* ctx, FLASH_FWD_PARAMS) {
     static const auto fwd = op_handle<FwdSig>("flash_attn::fwd");
     at::AutoDispatchBelowADInplaceOrView below_autograd;
-    auto [out, lse, probs, rng_state] =
-        fwd.call(q, k, v, dropout_p, softmax_scale, causal, window_left, window_right, return_softmax, deterministic,
-                 block_layout, q_block_lists, k_block_lists, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                 attn_bias, alibi_slopes, softcap);
+    auto [out, lse, probs, rng_state] = fwd.call(FLASH_FWD_ARGS);
     // Absent optional tensors are saved as undefined tensors and come back as nullopt.
     const OptTensor opt_before_bias[] = {block_layout, q_block_lists, k_block_lists, cu_seqlens_q, cu_seqlens_k};
     ctx->save_for_backward({q, k, v, out, lse, rng_state, block_layout.value_or(at::Tensor()),
@@ -127,16 +118,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_autograd(
   return {r[0], r[1], r[2], r[3]};
 }
 
-FwdResult fwd_autograd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double dropout_p,
-                       std::optional<double> softmax_scale, bool causal, int64_t window_left, int64_t window_right,
-                       bool return_softmax, bool deterministic, const OptTensor& block_layout,
-                       const OptTensor& q_block_lists, const OptTensor& k_block_lists, const OptTensor& cu_seqlens_q,
-                       const OptTensor& cu_seqlens_k, c10::SymInt max_seqlen_q, c10::SymInt max_seqlen_k,
-                       const OptTensor& attn_bias, const OptTensor& alibi_slopes, double softcap) {
-  const variable_list r =
-      FlashAttnFunction::apply(q, k, v, dropout_p, softmax_scale, causal, window_left, window_right, return_softmax,
-                               deterministic, block_layout, q_block_lists, k_block_lists, cu_seqlens_q, cu_seqlens_k,
-                               max_seqlen_q, max_seqlen_k, attn_bias, alibi_slopes, softcap);
+FwdResult fwd_autograd(FLASH_FWD_PARAMS) {
+  const variable_list r = FlashAttnFunction::apply(FLASH_FWD_ARGS);
   return {r[0], r[1], r[2], r[3]};
 }
 
