@@ -100,6 +100,19 @@ def test_bias_odd_sizes(device, sq, sk):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("softcap, deterministic", [(0.0, False), (0.0, True), (5.0, False), (5.0, True)])
+def test_large_bias_on_the_last_query_row(device, softcap, deterministic):
+    """A bias of 100 on the last row, whose query block runs past seqlen_q: the kernels' rows past
+    the end read that row's bias (once past the bias's end: compute-sanitizer) and must give it
+    no weight (exp2 of it overflowed and made dK, dV NaN)."""
+    q, k, v = make(1, 63, 130, 2, 2, 64, default_dtype(device), device)
+    bias = bias_of((63, 130), torch.float32, device, requires_grad=False)
+    with torch.no_grad():
+        bias[-1] = 100.0
+    check_mods(q, k, v, causal=True, softcap=softcap, deterministic=deterministic, attn_bias=bias)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_bias_without_grad_and_float32_bias_for_16bit_inputs(device):
     dtype = torch.float16 if device == "cuda" else torch.float32
     q, k, v = make(1, 65, 90, 2, 2, 64, dtype, device)

@@ -190,14 +190,18 @@ __global__ void __launch_bounds__(T::kNThreads, 1) flash_bwd_dkdv_kernel(const B
                                                              sV + s_n0 * kS, lane);
 
     // Row statistics of this warp's rows (thread rows g and g + 8 of each 16-row tile). A row
-    // that sees no key has lse = -inf and every score masked: use 0 so exp2 gives 0, not NaN.
+    // that sees no key has lse = -inf and every score masked: use 0 so exp2 gives 0, not NaN. A
+    // row past seqlen_q gets +inf, so its P is 0 whatever a score modifier adds (a large bias
+    // once made exp2 overflow there, and inf times its zero dO and Q rows made dK, dV NaN).
     float lse2[kMTS][2], dsm[kMTS][2];
 #pragma unroll
     for (int mt = 0; mt < kMTS; ++mt)
 #pragma unroll
       for (int hr = 0; hr < 2; ++hr) {
         const int r = stage * kM + s_m0 + mt * 16 + g + 8 * hr;
-        lse2[mt][hr] = sLse[r] == kNegInf ? 0.f : sLse[r] * kLog2e;
+        lse2[mt][hr] = i0 + s_m0 + mt * 16 + g + 8 * hr >= p.seqlen_q ? -kNegInf
+                       : sLse[r] == kNegInf                          ? 0.f
+                                                                     : sLse[r] * kLog2e;
         dsm[mt][hr] = sDsum[r];
       }
     if (!(tile_fully_visible(p, i0, i0 + kM, j0, j0 + kN) && i0 + kM <= p.seqlen_q)) {

@@ -134,13 +134,15 @@ __device__ __forceinline__ float prepare_scores_qmajor(float (&s)[kN / 8][4], co
 }
 
 // Element (row, col)'s score in log2 units from its raw score sv (-inf where masked), with dcap
-// the cap's derivative (score_mod.h); without modifiers sv * scale_softmax_log2.
+// the cap's derivative (score_mod.h); without modifiers sv * scale_softmax_log2. A tile that is
+// not masked may still hold rows past seqlen_q (never stored, and given no weight by the
+// callers): as in modify_scores_qmajor they read the last row's bias, not past the bias's end.
 template <typename Bias>
 __device__ __forceinline__ float score_log2(const FwdParams& p, const ScoreModHead<Bias>& mod, int row, int col,
                                             float sv, float& dcap) {
   dcap = 1.f;
   if (!p.score_mod) return sv * p.scale_softmax_log2;
-  return sv == kNegInf ? kNegInf : mod(row, col, sv, dcap) * kLog2e;
+  return sv == kNegInf ? kNegInf : mod(min(row, p.seqlen_q - 1), min(col, p.seqlen_k - 1), sv, dcap) * kLog2e;
 }
 
 // Whether a whole (rows [i0, i1), keys [j0, j1)) tile is visible, so masking can be skipped.
