@@ -106,7 +106,7 @@ def test_large_bias_on_the_last_query_row(device, softcap, deterministic):
     the end read that row's bias (once past the bias's end: compute-sanitizer) and must give it
     no weight (exp2 of it overflowed and made dK, dV NaN)."""
     q, k, v = make(1, 63, 130, 2, 2, 64, default_dtype(device), device)
-    bias = bias_of((63, 130), torch.float32, device, requires_grad=False)
+    bias = bias_of((63, 130), default_dtype(device), device, requires_grad=False)
     with torch.no_grad():
         bias[-1] = 100.0
     check_mods(q, k, v, causal=True, softcap=softcap, deterministic=deterministic, attn_bias=bias)
