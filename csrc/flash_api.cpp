@@ -589,14 +589,15 @@ void set_cuda_philox(FwdParams& p) {
 #endif
 
 // The forward after the op's arguments are gathered: checks, allocation, the kernels. kv: k_in and
-// v_in are a KV cache (entries, rows, h_k, d) read as kv says; out then takes q's strides (the
-// KV-cache op passes a permuted view of q). num_splits (CUDA, no dropout or probabilities): 1,
-// none; 0, as many as fwd_num_splits finds useful; n, n.
+// v_in are a KV cache (entries, rows, h_k, d) read as kv says. out takes q's strides with a cache
+// or out_like_q (the callers that fold GQA heads into rows pass a permuted view of q, so that the
+// unfolded output is a view of a contiguous tensor). num_splits (CUDA, no dropout or
+// probabilities): 1, none; 0, as many as fwd_num_splits finds useful; n, n.
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> run_fwd(
     const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in, const Varlen& vl, const BlockMask& mask,
     const ScoreMods& mods, double dropout_p, std::optional<double> softmax_scale, bool causal,
     int64_t window_size_left, int64_t window_size_right, bool return_softmax, const KvCacheRead* kv = nullptr,
-    int num_splits = 1) {
+    int num_splits = 1, bool out_like_q = false) {
   // A cache is one packed row range that every batch entry sees (batch stride 0; with varlen q,
   // the packed rows of a varlen k), read in place in its own dtype (the CPU converts a 16-bit
   // one tile by tile).
@@ -611,7 +612,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> run_fwd(
   const double scale = c.scale;
 
   const auto opts = q.options();
-  at::Tensor out = kv ? at::empty_like(q) : at::empty(q.sizes(), opts);
+  at::Tensor out = kv || out_like_q ? at::empty_like(q) : at::empty(q.sizes(), opts);
   at::Tensor lse = vl.present() ? at::empty({s.h, packed.seqlen_q}, opts.dtype(at::kFloat))
                                 : at::empty({s.b, s.h, s.seqlen_q}, opts.dtype(at::kFloat));
   // Varlen: zeros past each sequence's own rows and keys.
@@ -708,8 +709,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> mha_fwd(
       dropout_p == 0.0 && !return_softmax && !vl.present() && !mask.present() && !mods.has_bias() &&
       !(cu_seqlens_k && cu_seqlens_k->defined())) {
     auto [out, lse, probs, rng_state] = run_fwd(fold_gqa_queries(q_in, k_in.size(2)), k_in, v_in, vl, mask, mods, 0.0,
-                                                softmax_scale, false, -1, -1, false, nullptr, 0);
-    auto [o, l] = unfold_gqa_rows(out, lse);
+                                                softmax_scale, false, -1, -1, false, nullptr, 0, true);
+    auto [o, l] = unfold_gqa_rows(out, lse);  // (a view: out has the folded q's strides)
     return {o, l, probs, rng_state};
   }
   // num_splits 0: decoding shapes that leave SMs idle split their keys (cuda::fwd_num_splits).
