@@ -16,6 +16,11 @@ using torch::autograd::variable_list;
 
 OptTensor optional_of(const at::Tensor& t) { return t.defined() ? OptTensor(t) : std::nullopt; }
 
+const c10::TypedOperatorHandle<BwdSig>& bwd_op() {
+  static const auto handle = op_handle<BwdSig>("flash_attn::bwd");
+  return handle;
+}
+
 class FlashAttnFunction : public torch::autograd::Function<FlashAttnFunction> {
  public:
   static variable_list forward(AutogradContext* ctx, FLASH_FWD_PARAMS) {
@@ -53,7 +58,7 @@ class FlashAttnFunction : public torch::autograd::Function<FlashAttnFunction> {
     variable_list result(kNumInputs);
     const at::Tensor& dout = grads[0];
     if (!dout.defined()) return result;  // out does not reach the loss
-    static const auto bwd = op_handle<BwdSig>("flash_attn::bwd");
+    const auto& bwd = bwd_op();
     const variable_list saved = ctx->get_saved_variables();
     const auto& d = ctx->saved_data;
     const std::optional<double> softmax_scale =
@@ -88,7 +93,7 @@ class FlashAttnBackwardFunction : public torch::autograd::Function<FlashAttnBack
   template <typename... Args>
   static variable_list forward(AutogradContext* ctx, const Args&... args) {
     at::AutoDispatchBelowADInplaceOrView below_autograd;
-    auto [dq, dk, dv, dbias] = op_handle<BwdSig>("flash_attn::bwd").call(args...);
+    auto [dq, dk, dv, dbias] = bwd_op().call(args...);
     return {dq, dk, dv, dbias};
   }
   static variable_list backward(AutogradContext*, variable_list) {
@@ -109,9 +114,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_autograd(
       block_layout, q_block_lists, k_block_lists, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, attn_bias, \
       alibi_slopes, softcap, bias_requires_grad
   if (!at::GradMode::is_enabled()) {  // (every first-order backward: no node to record)
-    static const auto bwd = op_handle<BwdSig>("flash_attn::bwd");
     at::AutoDispatchBelowADInplaceOrView below_autograd;
-    return bwd.call(FLASH_BWD_ARGS);
+    return bwd_op().call(FLASH_BWD_ARGS);
   }
   const variable_list r = FlashAttnBackwardFunction::apply(FLASH_BWD_ARGS);
 #undef FLASH_BWD_ARGS
