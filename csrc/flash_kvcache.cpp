@@ -201,22 +201,16 @@ std::tuple<at::Tensor, at::Tensor> read_cache(const at::Tensor& q, const at::Ten
                                               int64_t window_size_left, int64_t window_size_right,
                                               const OptTensor& alibi_slopes, double softcap, int64_t num_splits,
                                               const VarlenQuery* varlen = nullptr) {
-  const int64_t b = varlen ? varlen->cu_seqlens_q.numel() - 1 : q.size(0), hk = k_cache.size(2);
+  const int64_t hk = k_cache.size(2);
   const bool fold = !varlen && gqa_fold_applies(q, hk, window_size_left, window_size_right,
                                                 alibi_slopes && alibi_slopes->defined());
   const at::Tensor qv = fold ? fold_gqa_queries(q, hk) : q;
-  at::Tensor k_read = k_cache, v_read = v_cache;
-  if (table && k_cache.is_cuda()) {  // the kernels follow the table
+  if (table) {  // the kernels follow the table
     kv.block_table = table->data_ptr<int32_t>();
     kv.block_table_stride = table->stride(0);
     kv.pages_per_entry = int(table->size(1));
-  } else if (table) {  // the CPU reads each entry's pages gathered into rows (unused ones clamped, like CUDA's)
-    const int64_t rows = table->size(1) * k_cache.size(1);
-    const at::Tensor pages = table->reshape({-1}).to(at::kLong).clamp(0, std::max<int64_t>(k_cache.size(0) - 1, 0));
-    k_read = k_cache.index_select(0, pages).view({b, rows, k_cache.size(2), k_cache.size(3)});
-    v_read = v_cache.index_select(0, pages).view({b, rows, v_cache.size(2), v_cache.size(3)});
   }
-  auto [out, lse] = mha_fwd_kvcache_read(qv, k_read, v_read, kv, softmax_scale, causal && !fold, window_size_left,
+  auto [out, lse] = mha_fwd_kvcache_read(qv, k_cache, v_cache, kv, softmax_scale, causal && !fold, window_size_left,
                                          window_size_right, alibi_slopes, softcap, num_splits, varlen);
   if (fold) return unfold_gqa_rows(out, lse);  // (out has qv's strides: the unfold is a view)
   return {out.contiguous(), lse};

@@ -57,9 +57,9 @@ FLASH_HOST_DEVICE Params seq_view(const Params& p, int b) {
   return v;
 }
 
-// The row of key j0, the first of a key tile, counted from the sequence's first key row: j0, or
-// with a paged cache the tile's place in its page (a page holds whole tiles), the page index
-// clamped into the cache like seq_view's values.
+// The row of key j0 (the first of a key tile on CUDA, where a page holds whole tiles; any key on
+// the CPU), counted from the sequence's first key row: j0, or with a paged cache its place in its
+// page, the page index clamped into the cache like seq_view's values.
 FLASH_HOST_DEVICE int64_t key_tile_row(const FwdParams& p, int b, int j0) {
   if (p.block_table == nullptr) return j0;
   const int page = p.block_table[b * p.block_table_stride + j0 / p.page_block_size];

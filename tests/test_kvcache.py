@@ -208,16 +208,17 @@ def test_kvcache_paged_rotary_window_alibi_softcap(interleaved, device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("sq", [1, 4])
-def test_kvcache_paged_equals_contiguous(sq, device):
+@pytest.mark.parametrize("sq,page,dtype", [(1, 256, None), (4, 256, None), (1, 768, None), (3, 512, torch.bfloat16)])
+def test_kvcache_paged_equals_contiguous(sq, page, dtype, device):
     """The same step on a paged cache and on the contiguous one: the same kernels read the same
-    keys, so the outputs, logsumexps and appended rows agree exactly."""
-    dtype = dtype_for(device)
-    b, h, hk, d, rows, page = 3, 8, 2, 128, 1024, 256
+    keys, so the outputs, logsumexps and appended rows agree exactly (on the CPU too, where a key
+    tile may span pages)."""
+    dtype = dtype or dtype_for(device)
+    b, h, hk, d, rows = 3, 8, 2, 128, 1536
     q = torch.randn(b, sq, h, d, dtype=dtype, device=device)
     kn, vn = (torch.randn(b, 2, hk, d, dtype=dtype, device=device) for _ in range(2))
     kc, vc = (torch.randn(b, rows, hk, d, dtype=dtype, device=device) for _ in range(2))
-    seqlens = torch.tensor([1000, 255, 17], dtype=torch.int32, device=device)
+    seqlens = torch.tensor([1500, 255, 17], dtype=torch.int32, device=device)
     pages = b * rows // page + 1
     table = page_table(b, rows // page, pages, device)
     kp, vp = to_pages(kc, table, pages), to_pages(vc, table, pages)
@@ -228,6 +229,24 @@ def test_kvcache_paged_equals_contiguous(sq, device):
         torch.testing.assert_close(g, w, rtol=0, atol=0)
     torch.testing.assert_close(from_pages(kp, table), kc, rtol=0, atol=0)
     torch.testing.assert_close(from_pages(vp, table), vc, rtol=0, atol=0)
+
+
+def test_kvcache_paged_cpu_reads_pages_in_place():
+    """The CPU follows the block table tile by tile: no copy of the pages a table lists (a copy of
+    every listed page per step costs time and memory in proportion to the table, not the keys)."""
+    b, h, hk, d, page, pages_each = 2, 4, 2, 64, 256, 64
+    pages = b * pages_each
+    kp, vp = (torch.randn(pages, page, hk, d) for _ in range(2))
+    table = torch.arange(pages, dtype=torch.int32).view(b, pages_each)
+    q = torch.randn(b, 1, h, d)
+    seqlens = torch.tensor([300, 5], dtype=torch.int32)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        out = flash_attn_with_kvcache(q, kp, vp, cache_seqlens=seqlens, block_table=table)
+    copies = [e.key for e in prof.key_averages() if e.key in ("aten::index_select", "aten::copy_", "aten::clone")]
+    assert not copies, copies
+    want = flash_attn_with_kvcache(q, kp.view(b, pages_each * page, hk, d), vp.view(b, pages_each * page, hk, d),
+                                   cache_seqlens=seqlens)
+    torch.testing.assert_close(out, want, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("device", DEVICES)

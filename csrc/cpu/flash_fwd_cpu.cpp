@@ -29,6 +29,7 @@ constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kInf = std::numeric_limits<float>::infinity();
 
 // KV: K and V's element type; float, or a 16-bit KV cache read in place (key_rows converts).
+// A paged cache is read in place too (key_rows follows the block table).
 template <typename KV>
 struct HeadView {
   const float* q;
@@ -59,36 +60,51 @@ HeadView<KV> head_view(const FwdParams& p, int b, int h) {
 }
 
 struct Scratch {
-  std::vector<float> s, acc, m, l, rows;  // rows: a 16-bit K or V tile in float32
+  std::vector<float> s, acc, m, l, rows;  // rows: a K or V tile in float32 (key_rows)
   std::vector<uint8_t> keep;
-  Scratch(int d, bool dropout, bool kv16)
-      : s(kBlockM * kBlockN), acc(kBlockM * d), m(kBlockM), l(kBlockM), rows(kv16 ? kBlockN * d : 0),
+  Scratch(int d, bool dropout, bool tile_copies)
+      : s(kBlockM * kBlockN), acc(kBlockM * d), m(kBlockM), l(kBlockM), rows(tile_copies ? kBlockN * d : 0),
         keep(dropout ? kBlockM * kBlockN : 0) {}
 };
 
-// Rows [j0, j0 + n) of K or V (row stride ld) as float32: in place, or a 16-bit cache's rows
-// converted into w.rows; ld_out: the returned rows' stride.
 template <typename KV>
-const float* key_rows(const KV* x, int64_t ld, int j0, int n, int d, Scratch& w, int64_t& ld_out) {
+void row_to_float(const KV* src, float* dst, int d) {
   if constexpr (std::is_same_v<KV, float>) {
-    ld_out = ld;
-    return x + j0 * ld;
+    std::copy(src, src + d, dst);
   } else {
     using V16 = at::vec::Vectorized<KV>;
-    for (int r = 0; r < n; ++r) {
-      const KV* src = x + (j0 + r) * ld;
-      float* dst = w.rows.data() + int64_t(r) * d;
-      int c = 0;
-      for (; c + V16::size() <= d; c += V16::size()) {
-        auto [lo, hi] = at::vec::convert_to_float<KV>(V16::loadu(src + c));
-        lo.store(dst + c);
-        hi.store(dst + c + V16::size() / 2);
-      }
-      for (; c < d; ++c) dst[c] = float(src[c]);
+    int c = 0;
+    for (; c + V16::size() <= d; c += V16::size()) {
+      auto [lo, hi] = at::vec::convert_to_float<KV>(V16::loadu(src + c));
+      lo.store(dst + c);
+      hi.store(dst + c + V16::size() / 2);
     }
-    ld_out = d;
-    return w.rows.data();
+    for (; c < d; ++c) dst[c] = float(src[c]);
   }
+}
+
+// Keys [j0, j0 + n) of sequence b in K or V (x: its row 0, row stride ld) as float32: in place
+// where they are float32 rows one after another, else converted (a 16-bit cache) or gathered
+// from their pages (a tile that spans pages) into w.rows; ld_out: the returned rows' stride. A
+// paged tile has the same width as a contiguous one, so both give the same sums, bit for bit.
+template <typename KV>
+const float* key_rows(const FwdParams& p, int b, const KV* x, int64_t ld, int j0, int n, Scratch& w,
+                      int64_t& ld_out) {
+  const int page = p.block_table != nullptr ? p.page_block_size : 0;
+  if constexpr (std::is_same_v<KV, float>) {
+    if (page == 0 || j0 % page + n <= page) {
+      ld_out = ld;
+      return x + key_tile_row(p, b, j0) * ld;
+    }
+  }
+  for (int r = 0; r < n;) {  // runs of rows within one page
+    const int run = page == 0 ? n - r : std::min(n - r, page - (j0 + r) % page);
+    const KV* src = x + key_tile_row(p, b, j0 + r) * ld;
+    for (int i = 0; i < run; ++i) row_to_float(src + i * ld, w.rows.data() + int64_t(r + i) * p.d, p.d);
+    r += run;
+  }
+  ld_out = p.d;
+  return w.rows.data();
 }
 
 // Scores of rows [i0, i0+rows) against keys [j0, j0+cols) into w.s (ld kBlockN), and the
@@ -96,7 +112,7 @@ const float* key_rows(const KV* x, int64_t ld, int j0, int n, int d, Scratch& w,
 template <typename KV>
 void score_tile(const FwdParams& p, const HeadView<KV>& hv, int i0, int rows, int j0, int cols, Scratch& w) {
   int64_t ldk;
-  const float* k = key_rows(hv.k, p.k_row_stride, j0, cols, p.d, w, ldk);
+  const float* k = key_rows(p, hv.b, hv.k, p.k_row_stride, j0, cols, w, ldk);
   gemm_rowmajor(false, true, rows, cols, p.d, 1.f, hv.q + i0 * p.q_row_stride, p.q_row_stride, k, ldk, 0.f,
                 w.s.data(), kBlockN);
   if (p.p_dropout > 0.f)
@@ -158,7 +174,7 @@ void query_block(const FwdParams& p, const HeadView<KV>& hv, int i0, Scratch& w)
     }
     // acc += P V
     int64_t ldv;
-    const float* v = key_rows(hv.v, p.v_row_stride, j0, cols, d, w, ldv);
+    const float* v = key_rows(p, hv.b, hv.v, p.v_row_stride, j0, cols, w, ldv);
     gemm_rowmajor(false, false, rows, d, cols, 1.f, w.s.data(), kBlockN, v, ldv, 1.f, w.acc.data(), d);
   });
 
@@ -203,7 +219,7 @@ void run_fwd_with(const FwdParams& p) {
   const int64_t tasks = int64_t(p.b) * p.h * n_mblocks;
   if (tasks == 0) return;
   at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
-    Scratch w(p.d, p.p_dropout > 0.f, !std::is_same_v<KV, float>);
+    Scratch w(p.d, p.p_dropout > 0.f, !std::is_same_v<KV, float> || p.block_table != nullptr);
     for (int64_t t = begin; t < end; ++t) {
       const int mb = int(t % n_mblocks);
       const int h = int((t / n_mblocks) % p.h);
