@@ -283,6 +283,40 @@ def test_kvcache_long_caches(d, sq, num_splits, device):
                   num_splits=num_splits, causal=True)
 
 
+SM90_DECODE_CASES = {  # name: check_kvcache's arguments; NaN past each sequence's keys (make_case)
+    "tail_edges": dict(b=6, rows=3000, sq=1, sn=1, h=8, hk=1, d=128, seqlens=[0, 14, 126, 127, 128, 2998],
+                       causal=True),
+    "sq2_d64": dict(b=4, rows=700, sq=2, sn=2, h=4, hk=4, d=64, seqlens=[3, 129, 255, 698], causal=True),
+    "d256_gqa": dict(b=3, rows=500, sq=1, sn=1, h=8, hk=2, d=256, seqlens=[1, 200, 499], causal=True),
+    "d96_no_new": dict(b=3, rows=400, sq=3, sn=0, h=2, hk=1, d=96, seqlens=[0, 130, 400]),
+    "batch_idx_leftpad": dict(b=3, entries=5, rows=600, sq=1, sn=1, h=4, hk=2, d=128, seqlens=[300, 77, 500],
+                              leftpad=[0, 13, 250], batch_idx=[4, 0, 2], causal=True),
+    "window_alibi_softcap": dict(b=2, rows=900, sq=2, sn=1, h=4, hk=2, d=128, seqlens=[257, 800], causal=True,
+                                 window_size=(300, 0), alibi=True, softcap=30.0),
+    "rotary": dict(b=2, rows=300, sq=1, sn=1, h=4, hk=1, d=64, seqlens=[40, 290], rotary=True, causal=True),
+    "chunk_of_queries": dict(b=2, rows=900, sq=130, sn=5, h=2, hk=1, d=128, seqlens=[0, 700], causal=True),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9),
+                    reason="Hopper (sm_90) only")
+@pytest.mark.parametrize("num_splits", [1, 4])
+@pytest.mark.parametrize("case", sorted(SM90_DECODE_CASES))
+def test_kvcache_on_the_sm90_kernel(case, num_splits, monkeypatch):
+    """Reads of a cache that is not paged on the warp-specialized sm90 kernel, unsplit and split
+    (TMA loads whole key tiles, so its V rows past a sequence's keys, NaN here, must not reach the
+    output), against the reference, and the kernel that ran is that one."""
+    monkeypatch.setenv("FLASH_ATTN_DECODE_SM90", "1")
+    kw = SM90_DECODE_CASES[case]
+    if kw["sq"] > 64 and num_splits > 1:
+        pytest.skip("split reads of more than 64 query rows run the portable kernel")
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        check_kvcache("cuda", num_splits=num_splits, **kw)
+        torch.cuda.synchronize()
+    assert any("flash_fwd_sm90_ws_kernel" in e.name for e in prof.events())
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_kvcache_without_new_keys_and_full_cache(device):
     """cache_seqlens=None: every entry's whole cache."""

@@ -3,6 +3,8 @@
 // Instantiated once per (dtype, head dim) by the generated files in instantiations/.
 #pragma once
 
+#include <cstdlib>
+
 #include "flash_fwd_combine.cuh"
 #include "flash_fwd_decode_kernel.cuh"
 #include "flash_fwd_kernel.cuh"
@@ -40,6 +42,18 @@ template <typename Elem, int kHeadDim>
 using FwdSplitKeysConfig = FwdSplitKeysTraits<Elem, kHeadDim, kFwdBlockN, 4>;
 static_assert(fwd_block_m(256) == kDecodeRows, "above head dim 128 FwdConfig's tiles are the 64-row decoding ones");
 
+// Decoding over a cache that is not paged, split or not, may run the sm90 kernel instead (where
+// it applies: sm_90, the head dims and strides it takes), whose TMA loads and persistent grid read
+// long caches faster than the decoding tiles' cp.async (NOTES, twenty-second session).
+// FLASH_ATTN_DECODE_SM90=0 / 1 forces either (tests, A/B).
+inline constexpr int kDecodeSm90MinKeys = 4096;
+inline bool fwd_decode_on_sm90(const FwdParams& p) {
+  if (p.block_table != nullptr) return false;
+  const char* force = std::getenv("FLASH_ATTN_DECODE_SM90");
+  if (force != nullptr && force[0] != '\0') return force[0] == '1';
+  return p.seqlen_k >= kDecodeSm90MinKeys;
+}
+
 template <typename TD, typename Kernel>
 void run_decode(FwdParams& p, cudaStream_t stream, Kernel kernel) {
   const dim3 grid((p.seqlen_q + TD::kBlockM - 1) / TD::kBlockM, p.h, p.b * p.num_splits);
@@ -51,6 +65,10 @@ void run_decode(FwdParams& p, cudaStream_t stream, Kernel kernel) {
 template <typename Elem, int kHeadDim>
 void run_mha_fwd_(FwdParams& p, cudaStream_t stream) {
   if (fwd_decode_tiles(p)) {
+    if (fwd_decode_on_sm90(p) && try_sm90_fwd<Elem, kHeadDim>(p, stream)) {
+      if (p.num_splits > 1) launch_fwd_combine<Elem>(p, stream);
+      return;
+    }
     using TK = FwdSplitKeysConfig<Elem, kHeadDim>;
     using T16 = FwdDecodeConfig<Elem, kHeadDim, 16>;
     using T64 = FwdDecodeConfig<Elem, kHeadDim, kDecodeRows>;

@@ -69,16 +69,15 @@ template <typename Elem, int kHeadDim, bool kBlockSparse, int kRows>
 bool run_mha_fwd_sm90_ws_(const FwdParams& p, cudaStream_t stream) {
   using T = FwdSm90WsConfig<Elem, kHeadDim, kRows>;
   const char* off = std::getenv("FLASH_ATTN_SM90_FWD_SYNC");
-  // (No keys: a descriptor cannot describe an empty tensor; the other kernel writes the zeros.
-  // seqused_k: TMA would load the cache slots past a sequence's keys, which may hold NaN, where the
-  // other kernel's loads fill zeros.)
-  if ((off != nullptr && off[0] == '1') || p.seqlen_k == 0 || p.seqused_k != nullptr ||
+  // (No keys: a descriptor cannot describe an empty tensor; the other kernel writes the zeros. A
+  // paged cache's tiles are not rows of one tensor.)
+  if ((off != nullptr && off[0] == '1') || p.seqlen_k == 0 || p.block_table != nullptr ||
       T::kSmemBytes > cuda::smem_per_block_optin() ||
       !q_view(p).compatible() || !k_view(p).compatible() || !v_view(p).compatible())
     return false;
   // Persistent (cuda::persistent_grid): FLASH_ATTN_SM90_FWD_PERSISTENT=0 launches a CTA per tile
   // instead (A/B); =n caps the CTAs at n (tests: many tiles per CTA on small problems).
-  const int64_t num_tiles = int64_t((p.seqlen_q + T::kBlockM - 1) / T::kBlockM) * p.h * p.b;
+  const int64_t num_tiles = int64_t((p.seqlen_q + T::kBlockM - 1) / T::kBlockM) * p.h * p.b * p.num_splits;
   const cuda::PersistentGrid pg = cuda::persistent_grid(num_tiles, "FLASH_ATTN_SM90_FWD_PERSISTENT", stream);
   const FwdSm90WsParams<T> args = ws_params<T>(p, int(num_tiles), pg.counter_ptr());
   cuda::launch<T>(&flash_fwd_sm90_ws_kernel<T, kBlockSparse>, pg.grid, args, stream);
@@ -104,6 +103,7 @@ bool run_mha_fwd_sm90_(FwdParams& p, cudaStream_t stream) {
   if (!cuda::sm90_path_enabled() || p.p_dropout > 0.f || T::kSmemBytes > cuda::smem_per_block_optin())
     return false;
   if (run_mha_fwd_sm90_ws<Elem, kHeadDim>(p, stream)) return true;
+  if (cuda::fwd_decode_tiles(p)) return false;  // (the decoding kernels serve these better)
   const dim3 grid((p.seqlen_q + T::kBlockM - 1) / T::kBlockM, p.h, p.b);
   if (p.q_block_lists != nullptr) cuda::launch<T>(&flash_fwd_sm90_kernel<T, true>, grid, p, stream);
   else cuda::launch<T>(&flash_fwd_sm90_kernel<T, false>, grid, p, stream);

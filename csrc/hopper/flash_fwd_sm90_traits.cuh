@@ -74,11 +74,12 @@ struct FwdSm90WsTraits : FwdSm90Traits<Elem_, kHeadDim_, kBlockM_, kBlockN_, 1, 
       cute::make_tensor(cute::make_gmem_ptr(static_cast<const CElem*>(nullptr)), GmemShape{}, GmemStride{}),
       SmemLayoutKVStage{}));
   static constexpr uint32_t kQBytes = Base::kSmemQ * sizeof(CElem), kKVBytes = Base::kSmemK / kStages_ * sizeof(CElem);
-  // Full/empty mbarriers: per Q buffer, per K stage, per V stage, and per slot of the two-slot tile
-  // schedule; then the schedule's two tile indices.
-  static constexpr int kNBarriers(int q_bufs) { return 2 * q_bufs + 2 * kStages_ + 2 * kStagesV_ + 4; }
+  // Full/empty mbarriers: per Q buffer, per K stage, per V stage, per slot of the two-slot tile
+  // schedule and per slot of the two-slot queue of a KV cache's last V tiles; then the schedule's
+  // two tile indices and the queue's two (stage, rows) pairs.
+  static constexpr int kNBarriers(int q_bufs) { return 2 * q_bufs + 2 * kStages_ + 2 * kStagesV_ + 8; }
   static constexpr int bytes_with(int q_bufs) {
-    return Base::kSmemBytes + (q_bufs - 1) * kQBytes + kNBarriers(q_bufs) * 8 + 2 * 4;
+    return Base::kSmemBytes + (q_bufs - 1) * kQBytes + kNBarriers(q_bufs) * 8 + 6 * 4;
   }
   // Two Q buffers where sm_90's 227 KB allow (head dims up to 224), so a CTA loads its next tile's
   // Q while it computes this one; one above. From head dim 128 on, a tile's output leaves through
@@ -87,6 +88,7 @@ struct FwdSm90WsTraits : FwdSm90Traits<Elem_, kHeadDim_, kBlockM_, kBlockN_, 1, 
   // 128 the register stores measured faster (d=32: 8%). A third Q buffer changed nothing
   // measurable (NOTES 2026-12-03, thirteenth session).
   static constexpr int kQBufs = bytes_with(2) <= 227 * 1024 ? 2 : 1;
+  static_assert(kHeadDim_ > 224 || kQBufs == 2, "the barriers and queues must leave room for two Q buffers");
   static constexpr bool kTmaO = kQBufs >= 2 && kHeadDim_ >= 128;
   static constexpr int kSmemBytes = bytes_with(kQBufs);
   using SmemLayoutQs = decltype(cute::tile_to_shape(

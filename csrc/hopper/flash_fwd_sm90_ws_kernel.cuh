@@ -63,7 +63,10 @@ __global__ void __launch_bounds__(T::kNThreads, 1) flash_fwd_sm90_ws_kernel(cons
   uint64_t* v_empty = v_full + kStagesV;
   uint64_t* sched_full = v_empty + kStagesV;
   uint64_t* sched_empty = sched_full + 2;
-  int* sched_tile = reinterpret_cast<int*>(sched_empty + 2);
+  uint64_t* tail_full = sched_empty + 2;
+  uint64_t* tail_empty = tail_full + 2;
+  int* sched_tile = reinterpret_cast<int*>(tail_empty + 2);
+  int* tail_job = sched_tile + 2;  // per slot: V stage, valid rows (-1: no more)
   Tensor sQ = make_tensor(make_smem_ptr(sq_ptr), typename T::SmemLayoutQs{});
   Tensor sK = make_tensor(make_smem_ptr(sk_ptr), typename T::SmemLayoutK{});
   Tensor sV = make_tensor(make_smem_ptr(sv_ptr), typename T::SmemLayoutV{});
@@ -72,6 +75,7 @@ __global__ void __launch_bounds__(T::kNThreads, 1) flash_fwd_sm90_ws_kernel(cons
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   constexpr int kConsumerWarps = T::kNConsumerThreads / 32;
   const int num_m_blocks = (args.p.seqlen_q + kM - 1) / kM;
+  const int splits = args.p.num_splits;  // split-KV: tile t is split t % splits of tile t / splits
   if (tid == 0) {
     for (int i = 0; i < kQBufs; ++i) {
       Barrier::init(q_full + i, 1);
@@ -88,6 +92,8 @@ __global__ void __launch_bounds__(T::kNThreads, 1) flash_fwd_sm90_ws_kernel(cons
     for (int i = 0; i < 2; ++i) {
       Barrier::init(sched_full + i, 1);
       Barrier::init(sched_empty + i, kConsumerWarps);
+      Barrier::init(tail_full + i, 1);
+      Barrier::init(tail_empty + i, 1);
     }
     cutlass::arch::fence_barrier_init();
   }
@@ -97,10 +103,38 @@ __global__ void __launch_bounds__(T::kNThreads, 1) flash_fwd_sm90_ws_kernel(cons
   // pipeline states kst, vst: stage and phase of the next one), so every barrier's phase follows
   // from the counts; the j-th tile goes through schedule slot j % 2.
   // A fresh barrier passes a wait on parity 1 at once, so the first waits on "empty" pass.
-  if (warp < 4) {  // producer warpgroup: warp 0 schedules (lane 0 issues every copy)
+  // A KV cache's slots past a sequence's keys may hold anything, NaN included, and a masked key's
+  // zero probability times a NaN value is NaN: so where a sequence's last key tile is partial, its
+  // V lands on a tail_full barrier instead, warp 1 zeroes the rows past the keys and then
+  // completes v_full (K needs nothing: masked scores are replaced by -inf).
+  if (warp < 4) {  // producer warpgroup: warp 0 schedules (lane 0 issues every copy); warp 1 zeroes tails
     cutlass::arch::warpgroup_reg_dealloc<T::kProducerRegs>();
+    if (warp == 1) {
+      for (int c = 0;; ++c) {
+        Barrier::wait(tail_full + (c & 1), (c >> 1) & 1);
+        const int stage = tail_job[2 * (c & 1)], rows = tail_job[2 * (c & 1) + 1];
+        if (rows < 0) break;
+        for (int i = lane; i < (kN - rows) * (kD / 8); i += 32)  // 16-byte chunks (swizzling keeps them whole)
+          *reinterpret_cast<uint4*>(&sV(rows + i / (kD / 8), i % (kD / 8) * 8, stage)) = make_uint4(0, 0, 0, 0);
+        cutlass::arch::fence_view_async_shared();  // the zeros are visible to the MMAs' reads
+        __syncwarp();
+        if (lane == 0) {
+          Barrier::arrive(v_full + stage);
+          Barrier::arrive(tail_empty + (c & 1));
+        }
+      }
+      return;
+    }
     if (warp != 0) return;
-    int t = blockIdx.x, q_count = 0;
+    int t = blockIdx.x, q_count = 0, tail_count = 0;
+    const auto send_tail = [&](int stage, int rows) {  // lane 0: the next tail slot's job
+      const int slot = tail_count & 1;
+      Barrier::wait(tail_empty + slot, ((tail_count >> 1) & 1) ^ 1);
+      tail_job[2 * slot] = stage;
+      tail_job[2 * slot + 1] = rows;
+      ++tail_count;
+      return tail_full + slot;
+    };
     cutlass::PipelineState<kStagesK> kst;
     cutlass::PipelineState<kStagesV> vst;
     for (int j = 0;; ++j) {
@@ -109,12 +143,17 @@ __global__ void __launch_bounds__(T::kNThreads, 1) flash_fwd_sm90_ws_kernel(cons
         sched_tile[j & 1] = t;
         Barrier::arrive(sched_full + (j & 1));  // (release: the index is visible to its waiters)
       }
-      if (t >= args.num_tiles) break;
-      const GridTile tile = grid_tile<true>(t, num_m_blocks, args.p.h);
+      if (t >= args.num_tiles) {
+        if (lane == 0) Barrier::arrive(send_tail(0, -1));  // warp 1 stops
+        break;
+      }
+      const GridTile tile = grid_tile<true>(t / splits, num_m_blocks, args.p.h);
       const int m0 = tile.block * kM, h = tile.h, b = tile.b;
       const FwdParams p = seq_view(args.p, b);
       // (With a mask, the warp's lanes count the tile list together.)
-      const TileSeq tiles = m0 < p.seqlen_q ? cuda::key_tiles<kN, kBlockSparse>(p, b, h, m0, kM) : TileSeq{};
+      const TileSeq tiles =
+          m0 < p.seqlen_q ? cuda::split_share(cuda::key_tiles<kN, kBlockSparse>(p, b, h, m0, kM), splits, t % splits)
+                          : TileSeq{};
       if (m0 < p.seqlen_q && tiles.count > 0) {
         if (lane == 0) {
           const int hk = h / p.h_h_k_ratio;
@@ -141,8 +180,10 @@ __global__ void __launch_bounds__(T::kNThreads, 1) flash_fwd_sm90_ws_kernel(cons
             copy(args.tma_k.with(k_full[sk]), tKg(_, nb), tKs(_, sk));
             ++kst;
             Barrier::wait(v_empty + sv, vst.phase() ^ 1);
-            Barrier::arrive_and_expect_tx(v_full + sv, T::kKVBytes);
-            copy(args.tma_v.with(v_full[sv]), tVg(_, nb), tVs(_, sv));
+            const int rows = p.seqlen_k - nb * kN;  // the tile's keys
+            uint64_t* full = p.seqused_k != nullptr && rows < kN ? send_tail(sv, rows) : v_full + sv;
+            Barrier::arrive_and_expect_tx(full, T::kKVBytes);
+            copy(args.tma_v.with(*full), tVg(_, nb), tVs(_, sv));
             ++vst;
           }
         }
@@ -188,7 +229,7 @@ __global__ void __launch_bounds__(T::kNThreads, 1) flash_fwd_sm90_ws_kernel(cons
   // the H200, NOTES 2026-12-03). Until then the tile is "pending": its P in tOrP, its rows'
   // statistics in m / l, and in pend_m / pend_l once the next tile has started.
   struct Pending {
-    int stage = -1, b, h, block, i16, qbuf;  // V's stage; -1: none
+    int stage = -1, b, h, block, split, i16, qbuf;  // V's stage; -1: none
     uint32_t phase;
   } pend;
   float m[2], l[2], alpha[2], pend_m[2], pend_l[2];
@@ -207,15 +248,22 @@ __global__ void __launch_bounds__(T::kNThreads, 1) flash_fwd_sm90_ws_kernel(cons
       o_buf = -1;
     }
   };
+  // The output rows from registers (split-KV: split's float32 partials); ms, ls: their statistics.
+  const auto store_rows = [&](const FwdParams& pp, int b, int h, int split, int row0, const float(&ms)[2],
+                              const float(&ls)[2]) {
+    if (splits > 1) cuda::write_split_partial<kD>(pp, b, h, split, row0, acc, ms, ls, lane);
+    else cuda::write_o_lse<Elem, kD>(pp, b, h, row0, acc, ms, ls, lane);
+  };
   // After the pending P V is waited for; mp, lp: the pending rows' statistics.
   const auto finish_pending = [&](const float(&mp)[2], const float(&lp)[2]) {
     release(v_empty + pend.stage);
     const FwdParams pp = seq_view(args.p, pend.b);
     if constexpr (T::kTmaO) {
       release_o();
-      // (A varlen tile that runs past its sequence's rows is stored from registers: TMA clips
-      // only at the packed tensor's end.)
-      const bool tma = args.o_tma && (pp.cu_seqlens_q == nullptr || (pend.block + 1) * kM <= pp.seqlen_q);
+      // (Split-KV partials are float32, and a varlen tile that runs past its sequence's rows is
+      // stored from registers: TMA clips only at the packed tensor's end.)
+      const bool tma =
+          args.o_tma && splits == 1 && (pp.cu_seqlens_q == nullptr || (pend.block + 1) * kM <= pp.seqlen_q);
       if (tma) {
         float scale[2];
         cuda::write_lse(pp, pend.b, pend.h, pend.i16 + lane / 4, mp, lp, lane, scale);
@@ -232,7 +280,7 @@ __global__ void __launch_bounds__(T::kNThreads, 1) flash_fwd_sm90_ws_kernel(cons
         copy(stsm, thr_stsm.retile_S(rO), tOsO);
         tma_store_fence();  // the rows are visible to the TMA unit
       } else {
-        cuda::write_o_lse<Elem, kD>(pp, pend.b, pend.h, pend.i16 + lane / 4, acc, mp, lp, lane);
+        store_rows(pp, pend.b, pend.h, pend.split, pend.i16 + lane / 4, mp, lp);
       }
       NamedBarrier::sync(128, 1 + kNWG + wg);  // the warpgroup's rows are written and its MMAs done
       if (ctid % 128 == 0) {
@@ -249,7 +297,7 @@ __global__ void __launch_bounds__(T::kNThreads, 1) flash_fwd_sm90_ws_kernel(cons
       }
       if (tma) o_buf = pend.qbuf;
     } else {
-      cuda::write_o_lse<Elem, kD>(pp, pend.b, pend.h, pend.i16 + lane / 4, acc, mp, lp, lane);
+      store_rows(pp, pend.b, pend.h, pend.split, pend.i16 + lane / 4, mp, lp);
     }
     pend.stage = -1;
   };
@@ -270,11 +318,11 @@ __global__ void __launch_bounds__(T::kNThreads, 1) flash_fwd_sm90_ws_kernel(cons
     __syncwarp();
     release(sched_empty + (j & 1));
     if (t >= args.num_tiles) break;
-    const GridTile tile = grid_tile<true>(t, num_m_blocks, args.p.h);
-    const int m0 = tile.block * kM, h = tile.h, b = tile.b;
+    const GridTile tile = grid_tile<true>(t / splits, num_m_blocks, args.p.h);
+    const int m0 = tile.block * kM, h = tile.h, b = tile.b, split = t % splits;
     const FwdParams p = seq_view(args.p, b);
     if (m0 >= p.seqlen_q) continue;  // varlen: past this sequence's rows
-    const TileSeq tiles = cuda::key_tiles<kN, kBlockSparse>(p, b, h, m0, kM);
+    const TileSeq tiles = cuda::split_share(cuda::key_tiles<kN, kBlockSparse>(p, b, h, m0, kM), splits, split);
     const int i16 = m0 + cwarp * 16;  // this warp's 16 query rows
     const int n = tiles.count;
     if (n == 0) {  // no keys: zeros and an empty logsumexp
@@ -282,7 +330,7 @@ __global__ void __launch_bounds__(T::kNThreads, 1) flash_fwd_sm90_ws_kernel(cons
       cuda::zero<kD>(acc);
       m[0] = m[1] = cuda::kNegInf;
       l[0] = l[1] = 0.f;
-      cuda::write_o_lse<Elem, kD>(p, b, h, i16 + lane / 4, acc, m, l, lane);
+      store_rows(p, b, h, split, i16 + lane / 4, m, l);
       continue;
     }
     // The tile indices come from a walk that reads the list ahead, off the softmax's critical path.
@@ -344,7 +392,7 @@ __global__ void __launch_bounds__(T::kNThreads, 1) flash_fwd_sm90_ws_kernel(cons
     pend.stage = vst.index();  // V_{n-1}, read by the pending P V
     pend.phase = vst.phase();
     ++vst;
-    pend.b = b, pend.h = h, pend.block = tile.block, pend.i16 = i16, pend.qbuf = qbuf;
+    pend.b = b, pend.h = h, pend.block = tile.block, pend.split = split, pend.i16 = i16, pend.qbuf = qbuf;
     ++q_count;
   }
   flush_pending();

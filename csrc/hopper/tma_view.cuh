@@ -43,10 +43,12 @@ FLASH_HOST_DEVICE TmaView q_view(const FwdParams& p) {
   return {p.q_ptr, packed ? p.total_q : p.seqlen_q, p.d, p.h, packed ? 1 : p.b,
           p.q_row_stride, p.q_head_stride, p.q_batch_stride};
 }
+// A KV cache (seqused_k, not paged) is its entries' rows one after another, as one batch entry
+// (seq_view's k_row0 picks the entry); its rows past a sequence's keys are the kernel's to mask.
 FLASH_HOST_DEVICE TmaView k_view(const FwdParams& p) {
-  const bool packed = p.cu_seqlens_k != nullptr;
-  return {p.k_ptr, packed ? p.total_k : p.seqlen_k, p.d, p.h_k, packed ? 1 : p.b,
-          p.k_row_stride, p.k_head_stride, p.k_batch_stride};
+  const bool cache = p.seqused_k != nullptr, packed = cache || p.cu_seqlens_k != nullptr;
+  const int rows = cache ? p.k_entries * p.k_entry_rows : packed ? p.total_k : p.seqlen_k;
+  return {p.k_ptr, rows, p.d, p.h_k, packed ? 1 : p.b, p.k_row_stride, p.k_head_stride, p.k_batch_stride};
 }
 // Another operand of the same shape as v's.
 FLASH_HOST_DEVICE TmaView same_shape(TmaView v, const void* ptr, int64_t row, int64_t head, int64_t bat) {
