@@ -272,6 +272,7 @@ void set_kvcache_params(FwdParams& p, const KvCacheRead* kv, const at::Tensor& c
   p.kv_batch_idx = kv->batch_idx;
   p.k_leftpad = kv->leftpad;
   p.seqlen_knew = kv->seqlen_new;
+  p.longest_keys = kv->longest_keys;
   p.k_batch_stride = p.v_batch_stride = 0;  // (the broadcast; also where the batch has one entry)
   p.k_entries = int(cache.size(0));
   p.k_entry_rows = p.seqlen_k = p.total_k = int(cache.size(1));

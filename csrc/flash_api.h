@@ -39,6 +39,7 @@ struct KvCacheRead {
   const int32_t* block_table = nullptr;
   int64_t block_table_stride = 0;
   int pages_per_entry = 0;
+  int longest_keys = -1;  // FwdParams::longest_keys
 };
 
 // Queries packed as in flash_attn_varlen_func (q (total_q, nheads, headdim), cu_seqlens_q) over a

@@ -62,10 +62,11 @@ void check_pages(const char* fn, const int32_t* row, int64_t i, int64_t keys, in
 // The per-batch values, read on the host in one copy (a device sync; skipped where
 // index_value_checks_wanted says so, like the varlen offsets): 0 <= leftpad <= seqlens and
 // seqlens + new <= cache rows (per entry), 0 <= index < entries; with a block table, its pages
-// that hold the keys are entries of the cache (pages of page_rows rows).
-void check_values(const at::Tensor& seqlens, int64_t new_keys, const OptTensor& batch_idx, const OptTensor& leftpad,
+// that hold the keys are entries of the cache (pages of page_rows rows). Returns the most keys a
+// batch entry reads, or -1 where the values were not read.
+int check_values(const at::Tensor& seqlens, int64_t new_keys, const OptTensor& batch_idx, const OptTensor& leftpad,
                   const OptTensor& block_table, int64_t page_rows, int64_t rows, int64_t entries) {
-  if (!index_value_checks_wanted(seqlens)) return;
+  if (!index_value_checks_wanted(seqlens)) return -1;
   const int64_t b = seqlens.numel();
   std::vector<at::Tensor> parts{seqlens};
   if (leftpad) parts.push_back(*leftpad);
@@ -77,6 +78,7 @@ void check_values(const at::Tensor& seqlens, int64_t new_keys, const OptTensor& 
   const int32_t* pi = batch_idx ? pn + (leftpad ? 2 : 1) * b : nullptr;
   const int32_t* pt = block_table ? pn + b : nullptr;  // (no leftpad or index with a table)
   const int64_t pages = block_table ? block_table->size(1) : 0;
+  int64_t longest = 0;
   for (int64_t i = 0; i < b; ++i) {
     TORCH_CHECK(pn[i] >= 0 && pn[i] + new_keys <= rows, "flash_attn_with_kvcache: cache_seqlens[", i, "] = ", pn[i],
                 (new_keys > 0 ? " plus the new keys" : ""), " must be in [0, seqlen_cache = ", rows,
@@ -87,7 +89,9 @@ void check_values(const at::Tensor& seqlens, int64_t new_keys, const OptTensor& 
     TORCH_CHECK(!pi || (pi[i] >= 0 && pi[i] < entries), "flash_attn_with_kvcache: cache_batch_idx[", i, "] = ",
                 pi ? pi[i] : 0, " is not an entry of k_cache (", entries, " entries)");
     if (pt) check_pages(kKvcache, pt + i * pages, i, pn[i] + new_keys, page_rows, entries);
+    longest = std::max<int64_t>(longest, pn[i] + new_keys - lp);
   }
+  return int(longest);
 }
 
 // A paged cache: block_table (batch, pages per entry) int32 of page indices, and pages of a
@@ -171,14 +175,16 @@ void check_cache_in_place(const char* fn, const at::Tensor& t, const char* name)
 // The varlen op's key counts and block table, read on the host in one copy (with the index
 // checks' policy): each count in [0, the table's rows] and at most max_seqlen_k, the pages holding
 // them pages of the cache; unit_cu_q (one query per sequence): cu_seqlens_q is 0, 1, ..., batch.
-void check_varlen_pages(const at::Tensor& keys, const at::Tensor& table, int64_t page_rows, int64_t rows,
+// Returns the longest count, or -1 where the values were not read.
+int check_varlen_pages(const at::Tensor& keys, const at::Tensor& table, int64_t page_rows, int64_t rows,
                         int64_t entries, int64_t max_seqlen_k, const at::Tensor* unit_cu_q) {
-  if (!index_value_checks_wanted(keys)) return;
+  if (!index_value_checks_wanted(keys)) return -1;
   const int64_t b = keys.numel(), pages = table.size(1);
   std::vector<at::Tensor> parts{keys, table.reshape({-1})};
   if (unit_cu_q) parts.push_back(*unit_cu_q);
   const at::Tensor host = at::cat(parts).to(at::kCPU);
   const int32_t* pk = host.data_ptr<int32_t>();
+  int longest = 0;
   for (int64_t i = 0; i < b; ++i) {
     TORCH_CHECK(pk[i] >= 0 && pk[i] <= rows, kVarlen, ": sequence ", i, " has ", pk[i], " keys (cu_seqlens_k[", i + 1,
                 "] - cu_seqlens_k[", i, "]); with block_table that must be in [0, ", rows, "], the rows of its ",
@@ -186,10 +192,12 @@ void check_varlen_pages(const at::Tensor& keys, const at::Tensor& table, int64_t
     TORCH_CHECK(pk[i] <= max_seqlen_k, kVarlen, ": max_seqlen_k = ", max_seqlen_k, " is smaller than sequence ", i,
                 "'s length ", pk[i], " (from cu_seqlens_k)");
     check_pages(kVarlen, pk + b + i * pages, i, pk[i], page_rows, entries);
+    longest = std::max(longest, pk[i]);
   }
   for (int64_t i = 0; unit_cu_q && i <= b; ++i)
     TORCH_CHECK(pk[b + b * pages + i] == i, kVarlen, ": cu_seqlens_q must be 0, 1, ..., ", b, " when q has one row per "
                 "sequence and max_seqlen_q = 1, got cu_seqlens_q[", i, "] = ", pk[b + b * pages + i]);
+  return longest;
 }
 
 // Attention of q over the cache as kv (and block_table, where given) says, shared by the two ops.
@@ -275,11 +283,12 @@ std::tuple<at::Tensor, at::Tensor> mha_fwd_kvcache(const at::Tensor& q, at::Tens
               "flash_attn_with_kvcache: batch x seqlen must fit in 32 bits for q and for the cache");
   check_cache_in_place(kKvcache, k_cache, "k_cache");
   check_cache_in_place(kKvcache, v_cache, "v_cache");
-  check_values(seqlens, new_keys, idx, lp, table, k_cache.size(1), rows, entries);
+  const int longest = check_values(seqlens, new_keys, idx, lp, table, k_cache.size(1), rows, entries);
 
   if (kn) append(k_cache, v_cache, *kn, *vn, seqlens, idx, table, rows);
-  const KvCacheRead kv{seqlens.data_ptr<int32_t>(), idx ? idx->data_ptr<int32_t>() : nullptr,
-                       lp ? lp->data_ptr<int32_t>() : nullptr, int(new_keys)};
+  KvCacheRead kv{seqlens.data_ptr<int32_t>(), idx ? idx->data_ptr<int32_t>() : nullptr,
+                 lp ? lp->data_ptr<int32_t>() : nullptr, int(new_keys)};
+  kv.longest_keys = longest;
   return read_cache(q, k_cache, v_cache, kv, table, softmax_scale, causal, window_size_left, window_size_right,
                     alibi_slopes, softcap, num_splits);
 }
@@ -317,9 +326,9 @@ std::tuple<at::Tensor, at::Tensor> mha_varlen_fwd_paged(const at::Tensor& q, con
   // Each sequence's key count, and (one decoding query per sequence) the fold's read as a padded batch.
   const at::Tensor keys = cu_seqlens_k.narrow(0, 1, b) - cu_seqlens_k.narrow(0, 0, b);
   const bool one_query_each = max_seqlen_q == 1 && q.size(0) == b;
-  check_varlen_pages(keys, block_table, k_cache.size(1), rows, entries, max_seqlen_k,
-                     one_query_each ? &cu_seqlens_q : nullptr);
-  const KvCacheRead kv{keys.data_ptr<int32_t>(), nullptr, nullptr, 0};
+  KvCacheRead kv{keys.data_ptr<int32_t>(), nullptr, nullptr, 0};
+  kv.longest_keys = check_varlen_pages(keys, block_table, k_cache.size(1), rows, entries, max_seqlen_k,
+                                       one_query_each ? &cu_seqlens_q : nullptr);
   if (one_query_each) {  // sequence i is query row i: a batch of one query each (GQA folds there)
     auto [out, lse] = read_cache(q.unsqueeze(1), k_cache, v_cache, kv, block_table, softmax_scale, causal,
                                  window_size_left, window_size_right, alibi_slopes, softcap, 0);

@@ -91,6 +91,10 @@ struct FwdParams : QKVParams {
   const int32_t* kv_batch_idx = nullptr;
   const int32_t* k_leftpad = nullptr;
   int seqlen_knew = 0, k_entries = 0, k_entry_rows = 0;
+  // The most keys any batch entry reads, where the op layer read the counts on the host (its
+  // checks do, outside CUDA graph capture); -1: not known. Sizes split-KV and the decoding kernel's
+  // choice instead of the cache's rows, which a mostly empty cache overstates.
+  int longest_keys = -1;
   // A paged cache (block_table set; no kv_batch_idx or k_leftpad): k_entries pages of
   // page_block_size rows; batch entry b's key j lives in page block_table[b * block_table_stride +
   // j / page_block_size] at row j % page_block_size, and k_entry_rows = pages per entry x page rows.

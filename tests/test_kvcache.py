@@ -283,6 +283,13 @@ def test_kvcache_long_caches(d, sq, num_splits, device):
                   num_splits=num_splits, causal=True)
 
 
+def kernels_run(fn):
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return {e.name for e in prof.events()}
+
+
 SM90_DECODE_CASES = {  # name: check_kvcache's arguments; NaN past each sequence's keys (make_case)
     "tail_edges": dict(b=6, rows=3000, sq=1, sn=1, h=8, hk=1, d=128, seqlens=[0, 14, 126, 127, 128, 2998],
                        causal=True),
@@ -311,10 +318,35 @@ def test_kvcache_on_the_sm90_kernel(case, num_splits, monkeypatch):
     kw = SM90_DECODE_CASES[case]
     if kw["sq"] > 64 and num_splits > 1:
         pytest.skip("split reads of more than 64 query rows run the portable kernel")
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        check_kvcache("cuda", num_splits=num_splits, **kw)
-        torch.cuda.synchronize()
-    assert any("flash_fwd_sm90_ws_kernel" in e.name for e in prof.events())
+    names = kernels_run(lambda: check_kvcache("cuda", num_splits=num_splits, **kw))
+    assert any("flash_fwd_sm90_ws_kernel" in n for n in names)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9),
+                    reason="Hopper (sm_90) only")
+@pytest.mark.parametrize("longest,rows,sm90", [(9000, 9100, True), (1024, 32768, False), (8000, 8192, False)])
+def test_kvcache_sm90_rule_reads_the_longest_sequence(longest, rows, sm90, monkeypatch):
+    """Without the override, decoding runs the sm90 kernel from 8192 keys in the longest sequence,
+    whatever the cache's rows (a large, mostly empty cache keeps the decoding tiles); under CUDA
+    graph capture the counts are not read and the decoding tiles run."""
+    monkeypatch.delenv("FLASH_ATTN_DECODE_SM90", raising=False)
+    kw = dict(b=2, rows=rows, sq=1, sn=1, h=8, hk=2, d=128, seqlens=[longest - 1, 100], causal=True)
+    names = kernels_run(lambda: check_kvcache("cuda", **kw))
+    assert any("flash_fwd_sm90_ws_kernel" in n for n in names) == sm90, sorted(names)
+    if not sm90:
+        return
+    q, k_cache, v_cache, k, v, seqlens, _, _ = make_case("cuda", torch.bfloat16, **{x: kw[x] for x in
+                                                         ("b", "rows", "sq", "sn", "h", "hk", "d", "seqlens")})
+    call = lambda: flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, causal=True)
+    want = call()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = call()
+    names = kernels_run(graph.replay)
+    assert any("flash_fwd" in n for n in names), sorted(names)  # (the profiler sees the replay's kernels)
+    assert not any("flash_fwd_sm90_ws_kernel" in n for n in names), sorted(names)
+    torch.testing.assert_close(out, want, atol=2e-3, rtol=2e-3)
 
 
 @pytest.mark.parametrize("device", DEVICES)

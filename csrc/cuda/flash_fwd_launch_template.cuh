@@ -42,16 +42,19 @@ template <typename Elem, int kHeadDim>
 using FwdSplitKeysConfig = FwdSplitKeysTraits<Elem, kHeadDim, kFwdBlockN, 4>;
 static_assert(fwd_block_m(256) == kDecodeRows, "above head dim 128 FwdConfig's tiles are the 64-row decoding ones");
 
-// Decoding over a cache that is not paged, split or not, may run the sm90 kernel instead (where
-// it applies: sm_90, the head dims and strides it takes), whose TMA loads and persistent grid read
-// long caches faster than the decoding tiles' cp.async (NOTES, twenty-second session).
-// FLASH_ATTN_DECODE_SM90=0 / 1 forces either (tests, A/B).
-inline constexpr int kDecodeSm90MinKeys = 4096;
+// Decoding over keys that are not paged, split or not, may run the sm90 kernel instead (where it
+// applies: sm_90, the head dims and strides it takes), whose TMA loads and persistent grid read
+// long key ranges faster than the decoding tiles' cp.async: on the H100 1.005-1.09x from 8192
+// keys, 0.74-0.99x below (NOTES, twenty-fourth session). The longest sequence decides, so a cache
+// whose counts were not read on the host (CUDA graph capture) keeps the decoding tiles: its rows
+// may be mostly empty. FLASH_ATTN_DECODE_SM90=0 / 1 forces either (tests, A/B).
+inline constexpr int kDecodeSm90MinKeys = 8192;
 inline bool fwd_decode_on_sm90(const FwdParams& p) {
   if (p.block_table != nullptr) return false;
   const char* force = std::getenv("FLASH_ATTN_DECODE_SM90");
   if (force != nullptr && force[0] != '\0') return force[0] == '1';
-  return p.seqlen_k >= kDecodeSm90MinKeys;
+  const int keys = p.seqused_k == nullptr ? p.seqlen_k : p.longest_keys;
+  return keys >= kDecodeSm90MinKeys;
 }
 
 template <typename TD, typename Kernel>
