@@ -18,6 +18,8 @@ import glob
 import os
 import platform
 import shutil
+import subprocess
+import tempfile
 
 from setuptools import setup
 from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension
@@ -130,8 +132,60 @@ def _extension():
                          py_limited_api=True)
 
 
+# ostream::_M_insert<double> lives in libstdc++.so; a library that defines it carries a copy of
+# libstdc++ of its own (some toolchains only ship libstdc++.a, or force -static-libstdc++).
+_PRIVATE_LIBSTDCXX_SYMBOL = "_ZNSo9_M_insertIdEERSoT_"
+
+
+def _links_private_libstdcxx(linker, tmp, extra) -> bool:
+    src, out = os.path.join(tmp, "probe.cpp"), os.path.join(tmp, "probe.so")
+    with open(src, "w") as f:
+        f.write("#include <sstream>\nstd::string show(double x) { std::ostringstream s; s << x; return s.str(); }\n")
+    subprocess.run(linker + ["-fPIC", src, "-o", out] + extra, check=True, capture_output=True)
+    symbols = subprocess.run(["nm", "--defined-only", out], check=True, capture_output=True, text=True).stdout
+    return _PRIVATE_LIBSTDCXX_SYMBOL in symbols
+
+
+def _shared_libstdcxx_flags(linkers) -> list:
+    """Link flags that keep the library on the libstdc++ torch has loaded. A private copy has its own
+    locale ids that the process's locale never registered, so formatting a number (every TORCH_CHECK
+    message with one) prints nothing or crashes."""
+    if platform.system() != "Linux":
+        return []
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            private = [l for l in linkers if _links_private_libstdcxx(l, tmp, [])]
+        except (OSError, subprocess.CalledProcessError) as e:
+            print(f"flash_attn: WARNING: could not check how the linker links libstdc++ ({e}); assuming shared")
+            return []
+        if not private:
+            return []
+        loaded = sorted({line.split()[-1] for line in open("/proc/self/maps") if "/libstdc++.so" in line})
+        flags = [f"-L{os.path.dirname(loaded[0])}", "-l:libstdc++.so.6"] if loaded else []
+        if not flags or any(_links_private_libstdcxx(l, tmp, flags) for l in private):
+            raise RuntimeError(
+                f"flash_attn: the C++ linker ({' '.join(private[0])}) puts a private copy of libstdc++ in "
+                "the library, whose error messages would crash; set CXX to a compiler that links libstdc++ "
+                "dynamically (e.g. CXX=/usr/bin/g++)")
+        print(f"flash_attn: {private[0][0]} links libstdc++ statically; linking torch's {loaded[0]} instead")
+        return flags
+
+
+class _BuildExtension(BuildExtension.with_options(use_ninja=True)):
+    def build_extensions(self):
+        # distutils links a C++ extension with linker_so behind the C++ compiler; newer setuptools
+        # also has linker_so_cxx. Check both.
+        linkers = [self.compiler.compiler_cxx[:1] + self.compiler.linker_so[1:]]
+        if getattr(self.compiler, "linker_so_cxx", None):
+            linkers.append(list(self.compiler.linker_so_cxx))
+        flags = _shared_libstdcxx_flags(linkers)
+        for ext in self.extensions:
+            ext.extra_link_args = list(ext.extra_link_args or []) + flags
+        super().build_extensions()
+
+
 setup(
     ext_modules=[_extension()],
-    cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
+    cmdclass={"build_ext": _BuildExtension},
     options={"bdist_wheel": {"py_limited_api": "cp310"}},
 )

@@ -18,3 +18,20 @@ def test_every_subpackage_is_installed(monkeypatch):
     on_disk = {".".join(p.parent.relative_to(ROOT).parts) for p in (ROOT / "flash_attn").rglob("__init__.py")}
     assert on_disk <= installed, f"packages pip install would leave out: {sorted(on_disk - installed)}"
     assert "flash_attn.utils" in on_disk
+
+
+def test_library_uses_the_process_libstdcxx():
+    """The ops library links libstdc++ dynamically. A private copy (a toolchain with only libstdc++.a,
+    which setup.py works around) formats no numbers: TORCH_CHECK messages come out blank or crash."""
+    import shutil
+    import subprocess
+    import pytest
+    from flash_attn import _library
+    if shutil.which("nm") is None:
+        pytest.skip("needs nm (binutils)")
+    symbols = subprocess.run(["nm", "--defined-only", _library.LIBRARY_PATH], capture_output=True, text=True).stdout
+    if not symbols:
+        symbols = subprocess.run(["nm", "-D", "--defined-only", _library.LIBRARY_PATH],
+                                 capture_output=True, text=True).stdout
+    assert symbols, f"nm read no symbols from {_library.LIBRARY_PATH}"
+    assert "_ZNSo9_M_insertIdEERSoT_" not in symbols, f"{_library.LIBRARY_PATH} carries its own libstdc++"
