@@ -175,7 +175,7 @@ class _BuildExtension(BuildExtension.with_options(use_ninja=True)):
     def build_extensions(self):
         # distutils links a C++ extension with linker_so behind the C++ compiler; newer setuptools
         # also has linker_so_cxx. Check both.
-        linkers = [self.compiler.compiler_cxx[:1] + self.compiler.linker_so[1:]]
+        linkers = [(self.compiler.compiler_cxx or self.compiler.linker_so)[:1] + self.compiler.linker_so[1:]]
         if getattr(self.compiler, "linker_so_cxx", None):
             linkers.append(list(self.compiler.linker_so_cxx))
         flags = _shared_libstdcxx_flags(linkers)
