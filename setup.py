@@ -6,8 +6,10 @@ torch.ops.load_library, so one build serves every Python version (abi3).
 
 Environment:
   FLASH_ATTN_CUDA=0|1          force the CPU-only or the CUDA build (default: auto-detect)
-  FLASH_ATTN_CUDA_ARCHS="80;90a" SM architectures to compile for; with 90a (Hopper's
-                               wgmma) the sm90 kernels in csrc/hopper/ are built too
+  FLASH_ATTN_CUDA_ARCHS="80+PTX;90a" SM architectures to compile for; with 90a (Hopper's
+                               wgmma) the sm90 kernels in csrc/hopper/ are built too; "+PTX"
+                               also embeds that arch's PTX, which newer GPUs (Blackwell) run
+                               after the driver compiles it at first use
   FLASH_ATTN_CUDA_HDIMS="64,128" a subset of the kernel head dims (default: all)
   FLASH_ATTN_CUDA_DTYPES="bf16"  a subset of fp16,bf16 (default: both)
   FLASH_ATTN_CPU_FLAGS          extra C++ flags for the CPU kernels (default on x86-64: AVX2+FMA)
@@ -59,15 +61,28 @@ def _cpu_flags() -> list:
     return []
 
 
+def _arch_entries() -> list:
+    """(arch, with_ptx) for each entry of FLASH_ATTN_CUDA_ARCHS; "80+PTX" also embeds compute_80's PTX."""
+    archs = os.environ.get("FLASH_ATTN_CUDA_ARCHS", "80+PTX;90a")
+    entries = []
+    for a in archs.replace(",", ";").split(";"):
+        a = a.strip()
+        if a:
+            ptx = a.lower().endswith("+ptx")
+            entries.append((a[:-4] if ptx else a, ptx))
+    return entries
+
+
 def _archs() -> list:
-    archs = os.environ.get("FLASH_ATTN_CUDA_ARCHS", "80;90a")
-    return [a.strip() for a in archs.replace(",", ";").split(";") if a.strip()]
+    return [a for a, _ in _arch_entries()]
 
 
 def _arch_flags() -> list:
     flags = []
-    for arch in _archs():
+    for arch, ptx in _arch_entries():
         flags += ["-gencode", f"arch=compute_{arch},code=sm_{arch}"]
+        if ptx:  # GPUs newer than every listed arch compile it at first use (the driver caches the result)
+            flags += ["-gencode", f"arch=compute_{arch},code=compute_{arch}"]
     return flags
 
 
@@ -184,8 +199,9 @@ class _BuildExtension(BuildExtension.with_options(use_ninja=True)):
         super().build_extensions()
 
 
-setup(
-    ext_modules=[_extension()],
-    cmdclass={"build_ext": _BuildExtension},
-    options={"bdist_wheel": {"py_limited_api": "cp310"}},
-)
+if __name__ == "__main__":  # (setuptools' build backend runs this file as __main__ too; tests import it)
+    setup(
+        ext_modules=[_extension()],
+        cmdclass={"build_ext": _BuildExtension},
+        options={"bdist_wheel": {"py_limited_api": "cp310"}},
+    )

@@ -6,6 +6,7 @@
 #include <cuda_fp16.h>
 
 #include "flash_launch.h"
+#include "launch_utils.cuh"
 
 #ifndef FLASH_ATTN_HDIM_MASK
 #define FLASH_ATTN_HDIM_MASK 0xFF  // bit i: kHeadDims[i]
@@ -55,7 +56,13 @@ void dispatch(Params& p, cudaStream_t s) {
 
 }  // namespace
 
-void run_fwd(FwdParams& p, cudaStream_t stream) { dispatch<Fwd>(p, stream); }
-void run_bwd(BwdParams& p, cudaStream_t stream) { dispatch<Bwd>(p, stream); }
+void run_fwd(FwdParams& p, cudaStream_t stream) {
+  require_kernel_image();
+  dispatch<Fwd>(p, stream);
+}
+void run_bwd(BwdParams& p, cudaStream_t stream) {
+  require_kernel_image();
+  dispatch<Bwd>(p, stream);
+}
 
 }  // namespace flash::cuda

@@ -5,6 +5,7 @@
 #include <cstdint>
 
 #include "flash_launch.h"
+#include "launch_utils.cuh"
 
 namespace flash::cuda {
 namespace {
@@ -40,6 +41,7 @@ __global__ void kvcache_append_kernel(const KvAppendParams a) {
 void kvcache_append(const KvAppendParams& a, cudaStream_t stream) {
   const int64_t n = int64_t(a.b) * a.seqlen_new * a.h_k * a.d;
   if (n == 0) return;
+  require_kernel_image();
   const int threads = 256, blocks = int((n + threads - 1) / threads < 4096 ? (n + threads - 1) / threads : 4096);
   kvcache_append_kernel<<<blocks, threads, 0, stream>>>(a);
   C10_CUDA_KERNEL_LAUNCH_CHECK();

@@ -31,15 +31,21 @@ inline bool two_ctas_per_sm_fit(int bytes) {
   return bytes <= smem_per_block_optin() && 2 * (bytes + kReservedPerCta) <= per_sm;
 }
 
-// Whether the sm90 (wgmma) kernels may run: the current GPU is compute capability 9.x and
-// FLASH_ATTN_DISABLE_SM90 is unset or 0 (read on each call, so a process can compare both paths).
+// The virtual architecture (80, 90, ...) of the code the current GPU runs from this library, found
+// once per device before the first launch (kernel_image_check.cu); where there is none, a clear
+// error. Every module has the same images, so the one probe kernel speaks for all.
+int require_kernel_image();
+
+// Whether the sm90 (wgmma) kernels may run: the current GPU is compute capability 9.x, runs code
+// compiled for it (not an older arch's PTX, in which the sm90 kernels are empty: CUDA_FORCE_PTX_JIT)
+// and FLASH_ATTN_DISABLE_SM90 is unset or 0 (read on each call, so a process can compare both paths).
 inline bool sm90_path_enabled() {
   const char* off = std::getenv("FLASH_ATTN_DISABLE_SM90");
   if (off != nullptr && off[0] != '\0' && off[0] != '0') return false;
   int device = 0, major = 0;
   C10_CUDA_CHECK(cudaGetDevice(&device));
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
-  return major == 9;
+  return major == 9 && require_kernel_image() >= 90;
 }
 
 // Streaming multiprocessors of the current GPU (a persistent kernel launches one CTA per SM).
