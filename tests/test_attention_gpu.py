@@ -204,6 +204,29 @@ def test_sm90_tma_strides(d, causal, monkeypatch):
     check_against_reference(q2, k2, v2, causal=causal)
 
 
+def check_input_kind(case, d, sizes, windows, softcap):
+    """One kind of input against the reference, for tests that switch a kernel variant on: sq x sk
+    sizes (fp16, causal or not), GQA with causal and windows, varlen, or bias + ALiBi (+ softcap)."""
+    from test_score_mods import bias_of, check_mods, slopes_of
+    from test_varlen import LENGTHS, check_varlen
+    if case == "sizes":
+        for sq, sk in sizes:
+            for causal in (False, True):
+                check_against_reference(*make(2, sq, sk, 4, 2, d, torch.float16), causal=causal)
+    elif case == "gqa_window":
+        check_against_reference(*make(2, 600, 257, 8, 2, d, torch.bfloat16), causal=True)
+        for window_size in windows:
+            check_against_reference(*make(2, 500, 700, 4, 4, d, torch.bfloat16), window_size=window_size)
+    elif case == "varlen":
+        for causal in (False, True):
+            check_varlen(LENGTHS["mixed"] + LENGTHS["long"], 4, 2, d, torch.bfloat16, "cuda", causal=causal)
+    else:
+        assert case == "mods", case
+        q, k, v = make(2, 400, 333, 4, 4, d, torch.bfloat16)
+        check_mods(q, k, v, causal=True, attn_bias=bias_of((2, 4, 400, 333), torch.bfloat16, "cuda"),
+                   alibi_slopes=slopes_of((4,), "cuda"), softcap=softcap)
+
+
 @pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9),
                     reason="Hopper (sm_90) only")
 @pytest.mark.parametrize("rows", ["128", "192"])
@@ -213,27 +236,13 @@ def test_sm90_forward_rows(case, d, rows, monkeypatch):
     # Up to head dim 64 the warp-specialized forward runs 192-row tiles (three consumer warpgroups)
     # on long unmasked rows and 128-row ones otherwise; FLASH_ATTN_SM90_FWD_ROWS forces either, and
     # both must give the reference's results on every kind of input.
-    from test_score_mods import bias_of, check_mods, slopes_of
-    from test_varlen import LENGTHS, check_varlen
     monkeypatch.setenv("FLASH_ATTN_SM90_FWD_ROWS", rows)
     q, k, v = make(2, 385, 300, 4, 2, d, torch.bfloat16)
     names = kernel_names(lambda: flash_attn_func(q, k, v, causal=True))
     assert any("flash_fwd_sm90_ws_kernel<" in n and f", {rows}>" in n for n in names), names
-    if case == "sizes":  # seqlens below, at and past one 192-row tile, sq != sk
-        for sq, sk in [(1, 1), (1, 17), (113, 17), (191, 193), (192, 1000), (385, 385)]:
-            for causal in (False, True):
-                check_against_reference(*make(2, sq, sk, 4, 2, d, torch.float16), causal=causal)
-    elif case == "gqa_window":
-        check_against_reference(*make(2, 600, 257, 8, 2, d, torch.bfloat16), causal=True)
-        for window_size in ((16, 0), (5, 9), (100, -1)):
-            check_against_reference(*make(2, 500, 700, 4, 4, d, torch.bfloat16), window_size=window_size)
-    elif case == "varlen":
-        for causal in (False, True):
-            check_varlen(LENGTHS["mixed"] + LENGTHS["long"], 4, 2, d, torch.bfloat16, "cuda", causal=causal)
-    elif case == "mods":
-        q, k, v = make(2, 400, 333, 4, 4, d, torch.bfloat16)
-        check_mods(q, k, v, causal=True, attn_bias=bias_of((2, 4, 400, 333), torch.bfloat16, "cuda"),
-                   alibi_slopes=slopes_of((4,), "cuda"), softcap=5.0)
+    if case != "persistent":  # sizes: seqlens below, at and past one 192-row tile, sq != sk
+        check_input_kind(case, d, [(1, 1), (1, 17), (113, 17), (191, 193), (192, 1000), (385, 385)],
+                         ((16, 0), (5, 9), (100, -1)), softcap=5.0)
     else:  # many tiles per CTA: the same bits as with a CTA per tile
         q, k, v = make(3, 1500, 1300, 8, 2, d, torch.bfloat16)
         run = lambda: flash_attn_func(q, k, v, return_attn_probs=True)[:2]
@@ -252,27 +261,13 @@ def test_sm90_backward_rotated_walks(case, d, monkeypatch):
     # blocks from one in proportion to its position, wrapping around; every input kind must still
     # give the reference's gradients, and the first query block visited must not matter.
     from test_block_sparse import check as check_block_sparse, random_mask
-    from test_score_mods import bias_of, check_mods, slopes_of
-    from test_varlen import LENGTHS, check_varlen
     monkeypatch.setenv("FLASH_ATTN_SM90_BWD_ROTATE", "1")
     q, k, v = make(2, 700, 900, 4, 2, d, torch.bfloat16)
     names = kernel_names(lambda: flash_attn_func(q, k, v, causal=True).sum().backward())
     assert any("flash_bwd_sm90_ws_kernel<" in n for n in names), names
-    if case == "sizes":  # one, two and many query blocks per key block, sq != sk
-        for sq, sk in [(1, 1), (17, 300), (65, 129), (300, 257), (1000, 1000)]:
-            for causal in (False, True):
-                check_against_reference(*make(2, sq, sk, 4, 2, d, torch.float16), causal=causal)
-    elif case == "gqa_window":
-        check_against_reference(*make(2, 600, 257, 8, 2, d, torch.bfloat16), causal=True)
-        for window_size in ((16, 0), (5, 9), (100, -1), (-1, 200)):
-            check_against_reference(*make(2, 500, 700, 4, 4, d, torch.bfloat16), window_size=window_size)
-    elif case == "varlen":
-        for causal in (False, True):
-            check_varlen(LENGTHS["mixed"] + LENGTHS["long"], 4, 2, d, torch.bfloat16, "cuda", causal=causal)
-    elif case == "mods":
-        q, k, v = make(2, 400, 333, 4, 4, d, torch.bfloat16)
-        check_mods(q, k, v, causal=True, attn_bias=bias_of((2, 4, 400, 333), torch.bfloat16, "cuda"),
-                   alibi_slopes=slopes_of((4,), "cuda"))
+    if case in ("sizes", "gqa_window", "varlen", "mods"):  # sizes: one, two and many query blocks per key block
+        check_input_kind(case, d, [(1, 1), (17, 300), (65, 129), (300, 257), (1000, 1000)],
+                         ((16, 0), (5, 9), (100, -1), (-1, 200)), softcap=0.0)
     elif case == "block_sparse":
         for causal in (False, True):
             q, k, v = make(2, 1000, 1100, 4, 2, d, torch.bfloat16)
