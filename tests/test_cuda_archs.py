@@ -88,6 +88,6 @@ def test_build_for_an_older_arch_runs_its_ptx_or_refuses(tmp_path):
                              env=dict(os.environ, CUDA_DISABLE_PTX_JIT="1"))
     name = torch.cuda.get_device_name()
     assert refused.returncode != 0, refused.stdout[-3000:]
-    assert f"flash_attn: this build has no CUDA" in refused.stderr, refused.stderr[-3000:]
+    assert "flash_attn: this build has no CUDA" in refused.stderr, refused.stderr[-3000:]
     assert f"{name} (sm_{major}{minor})" in refused.stderr, refused.stderr[-3000:]
     assert f"FLASH_ATTN_CUDA_ARCHS including {major}{minor}" in refused.stderr, refused.stderr[-3000:]
