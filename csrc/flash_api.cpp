@@ -757,6 +757,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> mha_bwd(
     const std::optional<at::Tensor>& cu_seqlens_q, const std::optional<at::Tensor>& cu_seqlens_k, int64_t max_seqlen_q,
     int64_t max_seqlen_k, const std::optional<at::Tensor>& attn_bias, const std::optional<at::Tensor>& alibi_slopes,
     double softcap, bool bias_requires_grad) {
+  // torch.use_deterministic_algorithms(True) asks every op for reproducible results (SDPA's
+  // backends honour it too), so it selects the deterministic backward whatever the flag says.
+  deterministic = deterministic || at::globalContext().deterministicAlgorithms();
   const Varlen vl{cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k};
   const BlockMask mask{block_layout, q_block_lists, k_block_lists};
   const ScoreMods mods{attn_bias, alibi_slopes, softcap};

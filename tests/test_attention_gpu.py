@@ -341,6 +341,26 @@ def test_deterministic_backward():
         assert torch.equal(a, b)
 
 
+def test_global_deterministic_mode_selects_the_deterministic_backward():
+    # torch.use_deterministic_algorithms(True) gives deterministic=False the deterministic backward
+    # (its dQ kernel, no atomics): the kernels that run and the gradients, bit for bit.
+    q, k, v = make(2, 600, 600, 4, 2, 64, torch.bfloat16)
+    dout = torch.randn_like(q)
+    grads = lambda **kw: torch.autograd.grad(flash_attn_func(q, k, v, causal=True, **kw), (q, k, v), dout)  # noqa: E731
+    explicit = grads(deterministic=True)
+    assert not any("flash_bwd_dq_kernel" in n for n in kernel_names(grads))
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        names = kernel_names(grads)
+        implied = grads()
+    finally:
+        torch.use_deterministic_algorithms(before)
+    assert any("flash_bwd_dq_kernel" in n for n in names), names
+    for a, b in zip(explicit, implied):
+        assert torch.equal(a, b)
+
+
 def test_dropout_keep_rate_and_seed():
     q, k, v = [t.detach() for t in make(2, 512, 512, 4, 4, 64, torch.float16)]
     torch.manual_seed(7)

@@ -15,6 +15,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     ("gpt2", ["--preset", "tiny", "--steps", "4", "--seqlen", "32", "--batch", "2"], ["sdpa", "default", "ours"]),
     ("gpt2", ["--preset", "tiny", "--steps", "4", "--seqlen", "32", "--batch", "2", "--repeat-reference"],
      ["sdpa", "sdpa_again", "default", "ours"]),
+    ("gpt2", ["--preset", "tiny", "--steps", "4", "--seqlen", "32", "--batch", "2", "--repeat-reference", "--deterministic"],
+     ["sdpa", "sdpa_again", "default", "ours"]),
     ("bert", ["--preset", "tiny", "--steps", "3", "--seqlen", "48", "--min-len", "8", "--batch", "3"], ["torch", "ours"]),
 ])
 def test_example_runs(tmp_path, example, args, runs):
@@ -25,6 +27,8 @@ def test_example_runs(tmp_path, example, args, runs):
     assert [r["attention"] for r in record["results"]] == runs
     assert all(len(r["losses"]) == int(args[3]) for r in record["results"])
     assert record["max_rel_loss_diff"] < 1e-3
+    if "--deterministic" in args:  # the reference reproduces itself exactly
+        assert record["max_rel_loss_diffs"]["sdpa_again"] == 0.0
     assert any(f.endswith(".png") for f in os.listdir(tmp_path))
 
 

@@ -60,7 +60,8 @@ def make_batch(data, args, gen):
 
 
 def run(args, attention: str) -> dict:
-    model, data, gen, device = start_run(args.seed, attention, lambda: BertMLM(*PRESETS[args.preset], args.seqlen))
+    model, data, gen, device = start_run(args.seed, attention, lambda: BertMLM(*PRESETS[args.preset], args.seqlen),
+                                         args.deterministic)
 
     def next_batch():
         tensors, tokens = make_batch(data, args, gen)

@@ -76,9 +76,15 @@ def train(model: torch.nn.Module, next_batch: Callable[[], Tuple[object, int]],
                 tokens_per_s=sum(tokens[skip:]) / sum(times[skip:]), peak_mb=peak, peak_kind=kind)
 
 
-def start_run(seed: int, attention: str, build_model: Callable[[], torch.nn.Module]):
+def start_run(seed: int, attention: str, build_model: Callable[[], torch.nn.Module], deterministic: bool = False):
     """A child's set-up: (model with our attention swapped in when attention == "ours", corpus,
-    batch generator, device), seeded so that both runs build the same weights and batches."""
+    batch generator, device), seeded so that both runs build the same weights and batches.
+    deterministic: every kernel that would add in no fixed order takes its reproducible variant
+    (cuBLAS needs a fixed workspace for that), so two runs of one attention give the same losses
+    and the runs of two attentions differ by the attention's rounding alone."""
+    if deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True, warn_only=True)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     torch.manual_seed(seed)
     data = corpus()
@@ -98,6 +104,8 @@ def add_run_args(ap, example: str, lr: float, runs: tuple = RUNS) -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                                                   example, "results"))
+    ap.add_argument("--deterministic", action="store_true",
+                    help="torch.use_deterministic_algorithms(True) in every run: no run-to-run drift of the reference")
     ap.add_argument("--run", choices=list(runs), help=argparse.SUPPRESS)
 
 
@@ -107,7 +115,8 @@ def dispatch(args, script: str, run: Callable, keys: tuple, stem: str, title: st
     if args.run:
         print(json.dumps(run(args, args.run)))
         return
-    child = [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in keys]
+    option = lambda k: f"--{k.replace('_', '-')}"  # noqa: E731
+    child = [f"{option(k)}={getattr(args, k)}" for k in keys] + [option("deterministic")] * args.deterministic
     run_all(script, child, args.out, stem, title, runs)
 
 

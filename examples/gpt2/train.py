@@ -83,7 +83,8 @@ class GPT2(nn.Module):
 
 
 def run(args, attention: str) -> dict:
-    model, data, gen, device = start_run(args.seed, attention, lambda: GPT2(*PRESETS[args.preset], args.seqlen, attention == "default"))
+    model, data, gen, device = start_run(
+        args.seed, attention, lambda: GPT2(*PRESETS[args.preset], args.seqlen, attention == "default"), args.deterministic)
 
     def next_batch():
         starts = torch.randint(0, data.numel() - args.seqlen - 1, (args.batch,), generator=gen)
@@ -111,9 +112,10 @@ def main():
     runs = (RUNS[0], REPEAT) + RUNS[1:] if args.repeat_reference else RUNS
     device = "cuda" if gpu else "cpu"
     title = (f"GPT-2 {args.preset} on {device}, seqlen {args.seqlen}, batch {args.batch}"
-             f"{f' x {args.accum} accumulated' if args.accum > 1 else ''}, {args.steps} steps")
+             f"{f' x {args.accum} accumulated' if args.accum > 1 else ''}, {args.steps} steps"
+             f"{', deterministic' if args.deterministic else ''}")
     dispatch(args, os.path.abspath(__file__), run, ("preset", "steps", "seqlen", "batch", "accum", "lr", "seed"),
-             f"gpt2_{args.preset}_{device}", title, runs)
+             f"gpt2_{args.preset}_{device}{'_deterministic' if args.deterministic else ''}", title, runs)
 
 
 if __name__ == "__main__":
