@@ -9,8 +9,7 @@ inputs. Writes JSON (--out) and a PNG plot of TFLOP/s against seqlen (--plot).
 Impl "ours_portable" is ours with FLASH_ATTN_DISABLE_SM90=1: the sm80-style kernels on a Hopper GPU;
 "ours_sync" is ours with FLASH_ATTN_SM90_FWD_SYNC=1: the sm90 forward without warp specialization;
 "ours_per_tile" is ours with FLASH_ATTN_SM90_FWD_PERSISTENT=0: the warp-specialized forward with a
-CTA per tile instead of a persistent one; "ours_rotate" is ours with FLASH_ATTN_SM90_BWD_ROTATE=1:
-the warp-specialized backward's rotated query-block walks (a trial).
+CTA per tile instead of a persistent one.
 """
 
 import argparse
@@ -32,8 +31,7 @@ SDPA = {"fa2": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 ENV_IMPLS = {"ours_portable": {"FLASH_ATTN_DISABLE_SM90": "1"},
              "ours_sync": {"FLASH_ATTN_SM90_FWD_SYNC": "1"},
-             "ours_per_tile": {"FLASH_ATTN_SM90_FWD_PERSISTENT": "0"},
-             "ours_rotate": {"FLASH_ATTN_SM90_BWD_ROTATE": "1"}}
+             "ours_per_tile": {"FLASH_ATTN_SM90_FWD_PERSISTENT": "0"}}
 
 
 _flex = None

@@ -252,38 +252,6 @@ def test_sm90_forward_rows(case, d, rows, monkeypatch):
         check_against_reference(q, k, v)
 
 
-@pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9),
-                    reason="Hopper (sm_90) only")
-@pytest.mark.parametrize("d", [64, 128])
-@pytest.mark.parametrize("case", ["sizes", "gqa_window", "varlen", "mods", "block_sparse", "persistent"])
-def test_sm90_backward_rotated_walks(case, d, monkeypatch):
-    # FLASH_ATTN_SM90_BWD_ROTATE=1: each key block of the warp-specialized backward walks its query
-    # blocks from one in proportion to its position, wrapping around; every input kind must still
-    # give the reference's gradients, and the first query block visited must not matter.
-    from test_block_sparse import check as check_block_sparse, random_mask
-    monkeypatch.setenv("FLASH_ATTN_SM90_BWD_ROTATE", "1")
-    q, k, v = make(2, 700, 900, 4, 2, d, torch.bfloat16)
-    names = kernel_names(lambda: flash_attn_func(q, k, v, causal=True).sum().backward())
-    assert any("flash_bwd_sm90_ws_kernel<" in n for n in names), names
-    if case in ("sizes", "gqa_window", "varlen", "mods"):  # sizes: one, two and many query blocks per key block
-        check_input_kind(case, d, [(1, 1), (17, 300), (65, 129), (300, 257), (1000, 1000)],
-                         ((16, 0), (5, 9), (100, -1), (-1, 200)), softcap=0.0)
-    elif case == "block_sparse":
-        for causal in (False, True):
-            q, k, v = make(2, 1000, 1100, 4, 2, d, torch.bfloat16)
-            check_block_sparse(q, k, v, random_mask(2, 4, 1000, 1100, device="cuda"), causal=causal)
-    else:  # many tiles per CTA, against the unrotated walks
-        q, k, v = make(3, 1500, 1300, 8, 2, d, torch.bfloat16)
-        dout = torch.randn_like(q)
-        rotated = torch.autograd.grad(flash_attn_func(q, k, v), (q, k, v), dout)
-        monkeypatch.setenv("FLASH_ATTN_SM90_BWD_ROTATE", "0")
-        plain = torch.autograd.grad(flash_attn_func(q, k, v), (q, k, v), dout)
-        for name, a, b in zip(("dq", "dk", "dv"), rotated, plain):  # dK, dV: the same sums in another order
-            torch.testing.assert_close(a, b, atol=2e-2, rtol=2e-2, msg=name)
-        monkeypatch.setenv("FLASH_ATTN_SM90_BWD_ROTATE", "1")
-        check_against_reference(q, k, v)
-
-
 @pytest.mark.parametrize("d", HEAD_DIMS)
 @pytest.mark.parametrize("causal", [False, True])
 def test_portable_kernels_on_this_gpu(d, causal, monkeypatch):

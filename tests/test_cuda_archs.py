@@ -81,11 +81,14 @@ def test_build_for_an_older_arch_runs_its_ptx_or_refuses(tmp_path):
     shutil.copy(lib, pkg / "flash_attn")
     script = CHECK.format(pkg=str(pkg), tests=str(ROOT / "tests"))
 
-    ran = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=900)
+    # The driver keeps what it compiled from PTX in its cache and uses it even with PTX compilation
+    # disabled, so the first run gets a cache of its own and the second none.
+    ran = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=900,
+                         env=dict(os.environ, CUDA_CACHE_PATH=str(tmp_path / "jit_cache")))
     assert ran.returncode == 0 and "checked" in ran.stdout, ran.stdout[-3000:] + ran.stderr[-3000:]
 
     refused = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
-                             env=dict(os.environ, CUDA_DISABLE_PTX_JIT="1"))
+                             env=dict(os.environ, CUDA_DISABLE_PTX_JIT="1", CUDA_CACHE_DISABLE="1"))
     name = torch.cuda.get_device_name()
     assert refused.returncode != 0, refused.stdout[-3000:]
     assert "flash_attn: this build has no CUDA" in refused.stderr, refused.stderr[-3000:]

@@ -23,7 +23,7 @@ template <typename Elem, int kHeadDim>
 using BwdSm90SplitDConfig = BwdSm90SplitDTraits<Elem, kHeadDim, kHeadDim % 128 == 0 ? 128 : 64>;
 
 template <typename T>
-BwdSm90WsParams<T> bwd_ws_params(const BwdParams& p, int num_tiles, int* tile_counter, bool rotate_walks) {
+BwdSm90WsParams<T> bwd_ws_params(const BwdParams& p, int num_tiles, int* tile_counter) {
   using CElem = typename T::CElem;
   using cute::SM90_TMA_LOAD;
   return BwdSm90WsParams<T>{p,
@@ -32,8 +32,7 @@ BwdSm90WsParams<T> bwd_ws_params(const BwdParams& p, int num_tiles, int* tile_co
                             make_tma_copy(SM90_TMA_LOAD{}, k_view(p).tensor<CElem>(), typename T::SmemLayoutK{}),
                             make_tma_copy(SM90_TMA_LOAD{}, v_view(p).tensor<CElem>(), typename T::SmemLayoutK{}),
                             num_tiles,
-                            tile_counter,
-                            rotate_walks};
+                            tile_counter};
 }
 
 // Runs the backward's main kernel here and returns true where this path applies: an sm_90 GPU,
@@ -63,10 +62,7 @@ bool run_mha_bwd_sm90_(BwdParams& p, cudaStream_t stream) {
     // FLASH_ATTN_SM90_BWD_PERSISTENT=0 launches a CTA per tile instead, =n at most n CTAs.
     const int64_t num_tiles = int64_t(grid.x) * grid.y * grid.z;
     const cuda::PersistentGrid pg = cuda::persistent_grid(num_tiles, "FLASH_ATTN_SM90_BWD_PERSISTENT", stream);
-    // FLASH_ATTN_SM90_BWD_ROTATE=1 (read at each call): the rotated query-block walks, a trial.
-    const char* rotate = std::getenv("FLASH_ATTN_SM90_BWD_ROTATE");
-    const BwdSm90WsParams<T> args = bwd_ws_params<T>(p, int(num_tiles), pg.counter_ptr(),
-                                                     rotate != nullptr && rotate[0] != '\0' && rotate[0] != '0');
+    const BwdSm90WsParams<T> args = bwd_ws_params<T>(p, int(num_tiles), pg.counter_ptr());
     // dK and dV rows leave by bulk copies (16-byte aligned; the op layer allocates them so).
     const auto aligned = [](const void* ptr, int64_t batch, int64_t row, int64_t head) {
       return (reinterpret_cast<uintptr_t>(ptr) | ((batch | row | head) * int64_t(sizeof(Elem)))) % 16 == 0;

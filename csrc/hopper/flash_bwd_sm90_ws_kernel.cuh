@@ -27,10 +27,7 @@ namespace flash::hopper {
 // The kernel's parameters: the op's, the TMA descriptors the launcher built, and the tile
 // schedule: num_tiles (key block, head, batch) tiles, the first gridDim.x taken in CTA order and the
 // rest claimed from tile_counter (zeroed by the launcher; unused, and may be null, when there are
-// no more tiles than CTAs). rotate_walks: each tile walks its query blocks from one in proportion
-// to its key block's position (BwdSchedSlot::first) instead of from the first (a trial:
-// FLASH_ATTN_SM90_BWD_ROTATE=1), so that the CTAs holding one head's key blocks do not all
-// reduce into the same dQ rows at the same time.
+// no more tiles than CTAs).
 template <typename T>
 struct BwdSm90WsParams {
   BwdParams p;
@@ -38,21 +35,13 @@ struct BwdSm90WsParams {
   typename T::TmaK tma_k, tma_v;
   int num_tiles;
   int* tile_counter;
-  bool rotate_walks;
 };
 
 // What the scheduling warp hands the other roles for each tile: its index (num_tiles or more:
-// none left), the query blocks it visits, counted once for all of them, and the position in
-// them where its walk starts (it wraps around to the ones before).
+// none left) and the query blocks it visits, counted once for all of them.
 struct BwdSchedSlot {
   TileSeq tiles;
   int t;
-  int first;
-
-  __device__ __forceinline__ int query_block(int step) const {
-    const int k = step + first;
-    return tiles[k < tiles.count ? k : k - tiles.count];
-  }
 };
 
 // bytes of shared memory at src -> float32 adds into global memory at dst, as one bulk operation
@@ -220,10 +209,9 @@ __global__ void __launch_bounds__(T::kNThreads, 1) flash_bwd_sm90_ws_kernel(cons
         };
         if (has_keys && j == 0) load_k_v();
         const TileSeq tiles = has_keys ? cuda::query_tiles<kM, kN, kBlockSparse>(p, b, h, j0) : TileSeq{};
-        const BwdSchedSlot slot{tiles, t, args.rotate_walks ? int(int64_t(tile.block) * tiles.count / num_n_blocks) : 0};
         if (lane == 0) {
           Barrier::wait(sched_empty + (j & 1), ((j >> 1) & 1) ^ 1);
-          sched[j & 1] = slot;
+          sched[j & 1] = BwdSchedSlot{tiles, t};
           Barrier::arrive(sched_full + (j & 1));  // (release: the slot is visible to its waiters)
         }
         if (last) break;
@@ -240,7 +228,7 @@ __global__ void __launch_bounds__(T::kNThreads, 1) flash_bwd_sm90_ws_kernel(cons
             auto [tdOg, tdOs] =
                 tma_partition(args.tma_do, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sdO), group_modes<0, 2>(gdO));
             for (int it = 0; it < tiles.count; ++it) {
-              const int stage = qst.index(), mb = slot.query_block(it);
+              const int stage = qst.index(), mb = tiles[it];
               Barrier::wait(empty + stage, qst.phase() ^ 1);
               ++qst;
               Barrier::arrive_and_expect_tx(full + stage, T::kStageBytes);
@@ -265,7 +253,7 @@ __global__ void __launch_bounds__(T::kNThreads, 1) flash_bwd_sm90_ws_kernel(cons
           NamedBarrier::sync(T::kNConsumerThreads + 32, T::kBarDqFull);
           if (lane == 0) {
             for (int q = 0; q < T::kDqTiles; ++q)
-              bulk_reduce_add_f32(dq_accum + int64_t(slot.query_block(it)) * kM * kD, sdQ + q * kM * kD,
+              bulk_reduce_add_f32(dq_accum + int64_t(slot.tiles[it]) * kM * kD, sdQ + q * kM * kD,
                                   kM * kD * int(sizeof(float)));
             tma_store_arrive();
             tma_store_wait<0>();  // the tile has been read
@@ -355,7 +343,7 @@ __global__ void __launch_bounds__(T::kNThreads, 1) flash_bwd_sm90_ws_kernel(cons
     cuda::zero<kD>(dv);
     Barrier::wait(kv_full, kv_count & 1);
     for (int it = 0; it < tiles.count; ++it, ++step) {
-      const int stage = qst.index(), buf = step & 1, i0 = slot.query_block(it) * kM;
+      const int stage = qst.index(), buf = step & 1, i0 = tiles[it] * kM;
       Barrier::wait(full + stage, qst.phase());
       ++qst;
       wgmma_gemm<true, -1>(mma_sdp, tSrK, tSrQ(_, _, _, stage), tSrS);

@@ -19,6 +19,7 @@ Each run is a subprocess of this script (--run sdpa|default|ours), so the peak m
 """
 
 import argparse
+import contextlib
 import math
 import os
 import sys
@@ -40,6 +41,8 @@ PRESETS = {  # n_layer, n_head, n_embd, vocab
 
 RUNS = ("sdpa", "default", "ours")  # see the docstring
 REPEAT = "sdpa_again"  # the reference, run twice (--repeat-reference)
+SDPA_BACKENDS = {"flash": lambda b: b.FLASH_ATTENTION, "cudnn": lambda b: b.CUDNN_ATTENTION,
+                 "efficient": lambda b: b.EFFICIENT_ATTENTION, "math": lambda b: b.MATH}
 
 
 class Block(nn.Module):
@@ -94,7 +97,12 @@ def run(args, attention: str) -> dict:
         logits = model(chunk[:, :-1])
         return nn.functional.cross_entropy(logits.float().flatten(0, 1), chunk[:, 1:].flatten())
 
-    return train(model, next_batch, loss_of, args.steps, args.lr, attention, device, args.accum)
+    backend = contextlib.nullcontext()
+    if attention in ("sdpa", REPEAT) and args.sdpa_backend != "auto":  # else PyTorch picks (cuDNN's on Hopper)
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+        backend = sdpa_kernel(SDPA_BACKENDS[args.sdpa_backend](SDPBackend))
+    with backend:
+        return train(model, next_batch, loss_of, args.steps, args.lr, attention, device, args.accum)
 
 
 def main():
@@ -107,15 +115,20 @@ def main():
     ap.add_argument("--accum", type=int, default=1, help="batches whose gradients make one step")
     ap.add_argument("--repeat-reference", action="store_true",
                     help="run the reference (sdpa) a second time, to show its own run-to-run drift")
+    ap.add_argument("--sdpa-backend", choices=("auto",) + tuple(SDPA_BACKENDS), default="auto",
+                    help="the SDPA kernel of the sdpa runs (auto: PyTorch's choice)")
     add_run_args(ap, "gpt2", lr=3e-4, runs=RUNS + (REPEAT,))
     args = ap.parse_args()
     runs = (RUNS[0], REPEAT) + RUNS[1:] if args.repeat_reference else RUNS
     device = "cuda" if gpu else "cpu"
     title = (f"GPT-2 {args.preset} on {device}, seqlen {args.seqlen}, batch {args.batch}"
              f"{f' x {args.accum} accumulated' if args.accum > 1 else ''}, {args.steps} steps"
-             f"{', deterministic' if args.deterministic else ''}")
-    dispatch(args, os.path.abspath(__file__), run, ("preset", "steps", "seqlen", "batch", "accum", "lr", "seed"),
-             f"gpt2_{args.preset}_{device}{'_deterministic' if args.deterministic else ''}", title, runs)
+             f"{', deterministic' if args.deterministic else ''}"
+             f"{f', SDPA {args.sdpa_backend}' if args.sdpa_backend != 'auto' else ''}")
+    keys = ("preset", "steps", "seqlen", "batch", "accum", "lr", "seed", "sdpa_backend")
+    dispatch(args, os.path.abspath(__file__), run, keys,
+             f"gpt2_{args.preset}_{device}{'_deterministic' if args.deterministic else ''}"
+             f"{'' if args.sdpa_backend == 'auto' else '_' + args.sdpa_backend}", title, runs)
 
 
 if __name__ == "__main__":
