@@ -1,6 +1,6 @@
 """GPT-2 built from nn.MultiheadAttention blocks, trained three times from the same seed:
 - sdpa: the blocks call the layer with need_weights=False and is_causal=True, so PyTorch runs its
-  fused SDPA kernel (FlashAttention-2 under bf16 on a GPU); the loss reference;
+  fused SDPA kernel (PyTorch's choice, or --sdpa-backend's); the loss reference;
 - default: the blocks call the layer with its defaults (need_weights=True), as most code written
   for nn.MultiheadAttention does, so PyTorch materialises the attention weights;
 - ours: the sdpa run's model after flash_attn.replace_attention;
