@@ -6,7 +6,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstdlib>
 #include <limits>
 #include <mutex>
 #include <optional>
@@ -15,6 +14,7 @@
 
 #include "block_mask.h"
 #include "cpu/flash_cpu.h"
+#include "env_switch.h"
 #include "flash_api.h"
 #include "flash_params.h"
 #include "varlen_checks.h"
@@ -907,10 +907,7 @@ bool index_value_checks_wanted(const at::Tensor& t) {
 #ifdef FLASH_ATTN_WITH_CUDA
   if (t.is_cuda() && c10::cuda::currentStreamCaptureStatusMayInitCtx() != c10::cuda::CaptureStatus::None) return false;
 #endif
-  static const bool skip = [] {
-    const char* e = std::getenv("FLASH_ATTN_SKIP_VARLEN_CHECKS");
-    return e != nullptr && e[0] == '1';
-  }();
+  static const bool skip = env_switch("FLASH_ATTN_SKIP_VARLEN_CHECKS").value_or(false);
   return !skip;
 }
 

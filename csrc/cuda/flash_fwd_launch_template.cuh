@@ -3,8 +3,7 @@
 // Instantiated once per (dtype, head dim) by the generated files in instantiations/.
 #pragma once
 
-#include <cstdlib>
-
+#include "../env_switch.h"
 #include "flash_fwd_combine.cuh"
 #include "flash_fwd_decode_kernel.cuh"
 #include "flash_fwd_kernel.cuh"
@@ -51,8 +50,7 @@ static_assert(fwd_block_m(256) == kDecodeRows, "above head dim 128 FwdConfig's t
 inline constexpr int kDecodeSm90MinKeys = 8192;
 inline bool fwd_decode_on_sm90(const FwdParams& p) {
   if (p.block_table != nullptr) return false;
-  const char* force = std::getenv("FLASH_ATTN_DECODE_SM90");
-  if (force != nullptr && force[0] != '\0') return force[0] == '1';
+  if (const auto force = env_switch("FLASH_ATTN_DECODE_SM90")) return *force;
   const int keys = p.seqused_k == nullptr ? p.seqlen_k : p.longest_keys;
   return keys >= kDecodeSm90MinKeys;
 }

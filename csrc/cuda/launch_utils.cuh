@@ -6,7 +6,9 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
-#include <cstdlib>
+#include <optional>
+
+#include "../env_switch.h"
 
 namespace flash::cuda {
 
@@ -17,8 +19,8 @@ inline int smem_per_block_optin() {
   int device = 0, optin = 0;
   C10_CUDA_CHECK(cudaGetDevice(&device));
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
-  static const char* cap = std::getenv("FLASH_ATTN_SMEM_LIMIT");
-  return cap != nullptr ? std::min(optin, std::atoi(cap)) : optin;
+  static const std::optional<int> cap = env_int("FLASH_ATTN_SMEM_LIMIT");
+  return cap ? std::min(optin, *cap) : optin;
 }
 
 // Whether two CTAs needing `bytes` of shared memory each fit on one SM (sm_90: yes up to about
@@ -40,8 +42,7 @@ int require_kernel_image();
 // compiled for it (not an older arch's PTX, in which the sm90 kernels are empty: CUDA_FORCE_PTX_JIT)
 // and FLASH_ATTN_DISABLE_SM90 is unset or 0 (read on each call, so a process can compare both paths).
 inline bool sm90_path_enabled() {
-  const char* off = std::getenv("FLASH_ATTN_DISABLE_SM90");
-  if (off != nullptr && off[0] != '\0' && off[0] != '0') return false;
+  if (env_switch("FLASH_ATTN_DISABLE_SM90").value_or(false)) return false;
   int device = 0, major = 0;
   C10_CUDA_CHECK(cudaGetDevice(&device));
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));

@@ -6,8 +6,8 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
-#include <cstdlib>
 
+#include "../env_switch.h"
 #include "launch_utils.cuh"
 
 namespace flash::cuda {
@@ -24,8 +24,7 @@ struct PersistentGrid {
 
 inline PersistentGrid persistent_grid(int64_t num_tiles, const char* cap_env, cudaStream_t stream) {
   TORCH_CHECK(num_tiles < INT32_MAX, "flash_attn: too many tiles (blocks x heads x batch = ", num_tiles, ")");
-  const char* cap = std::getenv(cap_env);
-  const int n = cap == nullptr ? sm_count() : std::atoi(cap);
+  const int n = env_int(cap_env).value_or(sm_count());
   const int64_t ctas = std::max<int64_t>(1, std::min<int64_t>(num_tiles, n > 0 ? n : num_tiles));
   PersistentGrid g{dim3(unsigned(ctas)), {}};
   if (num_tiles > ctas) {

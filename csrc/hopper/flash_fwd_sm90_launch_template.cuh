@@ -43,8 +43,7 @@ using FwdSm90WsConfig = FwdSm90WsTraits<Elem, kHeadDim, (kHeadDim <= 128 ? 128 :
 // 1024), so 192 rows only for long unmasked rows. (A block mask's 128-row blocks need 128.)
 // FLASH_ATTN_SM90_FWD_ROWS=128 or 192 overrides the choice (tests, A/B).
 inline bool fwd_rows_192(const FwdParams& p) {
-  const char* rows = std::getenv("FLASH_ATTN_SM90_FWD_ROWS");
-  if (rows != nullptr && rows[0] != '\0') return std::atoi(rows) == 192;
+  if (const auto rows = env_int("FLASH_ATTN_SM90_FWD_ROWS")) return *rows == 192;
   return !p.is_causal && p.window_size_left < 0 && p.window_size_right < 0 && p.seqlen_q >= 2048;
 }
 
@@ -68,10 +67,9 @@ FwdSm90WsParams<T> ws_params(const FwdParams& p, int num_tiles, int* tile_counte
 template <typename Elem, int kHeadDim, bool kBlockSparse, int kRows>
 bool run_mha_fwd_sm90_ws_(const FwdParams& p, cudaStream_t stream) {
   using T = FwdSm90WsConfig<Elem, kHeadDim, kRows>;
-  const char* off = std::getenv("FLASH_ATTN_SM90_FWD_SYNC");
   // (No keys: a descriptor cannot describe an empty tensor; the other kernel writes the zeros. A
   // paged cache's tiles are not rows of one tensor.)
-  if ((off != nullptr && off[0] == '1') || p.seqlen_k == 0 || p.block_table != nullptr ||
+  if (env_switch("FLASH_ATTN_SM90_FWD_SYNC").value_or(false) || p.seqlen_k == 0 || p.block_table != nullptr ||
       T::kSmemBytes > cuda::smem_per_block_optin() ||
       !q_view(p).compatible() || !k_view(p).compatible() || !v_view(p).compatible())
     return false;
