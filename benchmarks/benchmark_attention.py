@@ -9,7 +9,8 @@ inputs. Writes JSON (--out) and a PNG plot of TFLOP/s against seqlen (--plot).
 Impl "ours_portable" is ours with FLASH_ATTN_DISABLE_SM90=1: the sm80-style kernels on a Hopper GPU;
 "ours_sync" is ours with FLASH_ATTN_SM90_FWD_SYNC=1: the sm90 forward without warp specialization;
 "ours_per_tile" is ours with FLASH_ATTN_SM90_FWD_PERSISTENT=0: the warp-specialized forward with a
-CTA per tile instead of a persistent one.
+CTA per tile instead of a persistent one; "ours_det" is ours with deterministic=True (the
+backward's dQ added in a fixed order).
 """
 
 import argparse
@@ -58,9 +59,10 @@ def compiled_flex():
 
 
 def make_fn(impl, b, s, h, d, dtype, causal):
-    if impl in ("ours", *ENV_IMPLS):
+    if impl in ("ours", "ours_det", *ENV_IMPLS):
         q, k, v = [torch.randn(b, s, h, d, device="cuda", dtype=dtype, requires_grad=True) for _ in range(3)]
-        return (lambda: flash_attn_func(q, k, v, causal=causal)), (q, k, v)
+        det = impl == "ours_det"
+        return (lambda: flash_attn_func(q, k, v, causal=causal, deterministic=det)), (q, k, v)
     q, k, v = [torch.randn(b, h, s, d, device="cuda", dtype=dtype, requires_grad=True) for _ in range(3)]
     if impl == "flex":  # no mask, or causal as a BlockMask (its tiles above the diagonal skipped)
         from torch.nn.attention.flex_attention import create_block_mask

@@ -788,7 +788,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> mha_bwd(
         .contiguous();
   };
   // The CPU always reduces in a fixed order. CUDA adds dQ with float32 atomics unless
-  // deterministic, which runs a separate dQ kernel instead (slower, bitwise reproducible).
+  // deterministic, which orders the additions (sm90) or runs a separate dQ kernel instead (slower;
+  // both bitwise reproducible).
 
 #ifdef FLASH_ATTN_WITH_CUDA
   if (q.is_cuda()) {
@@ -835,10 +836,18 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> mha_bwd(
     p.stat_head_stride = stat_rows;
     p.stat_batch_stride = int64_t(s.h) * stat_rows;
     set_bwd_varlen_params(p, vl, packed);
-    at::Tensor dq_accum;
-    if (!deterministic) {
+    at::Tensor dq_accum, dq_semaphores;
+    // Deterministic on Hopper: the sm90 kernel adds dQ in key-block order (per-query-block
+    // counters); the launcher falls back to the dQ kernel, which needs neither, where it cannot.
+    const bool ordered_dq =
+        deterministic && dropout_p == 0.0 && at::cuda::getCurrentDeviceProperties()->major == 9 && d8 <= 128;
+    if (!deterministic || ordered_dq) {
       dq_accum = at::empty({stat_entries, s.h, stat_rows, cuda::dq_accum_row_stride(d8)}, f32);  // the D pre-pass zeroes it
       p.dq_accum_ptr = dq_accum.data_ptr<float>();
+    }
+    if (ordered_dq) {
+      dq_semaphores = at::zeros({stat_entries, s.h, (stat_rows + 63) / 64}, q.options().dtype(at::kInt));
+      p.dq_semaphore_ptr = dq_semaphores.data_ptr<int>();
     }
     p.rng_state_ptr = dropout_p > 0.0 ? rng.data_ptr<int64_t>() : nullptr;
     at::Tensor kbias;

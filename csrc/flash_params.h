@@ -158,13 +158,17 @@ struct BwdParams : FwdParams {
   // Otherwise float32 scratch the op layer allocates: per-query-head dK/dV before the GQA group sum,
   // rows as kv_accum_batch_stride below lays them out, d floats each, and dQ partial sums, one per split of the key
   // blocks, laid out (batch, h, num_splits, seqlen_q, d) ((h, num_splits, total_q, d) with varlen)
-  // and summed by the op layer. CUDA: when set
-  // (not deterministic), one zeroed dQ accumulator the kernels add into atomically, laid out as
-  // stat_batch_stride and cuda::dq_accum_row_stride() say.
+  // and summed by the op layer. CUDA: when set, one zeroed dQ accumulator the kernels add into,
+  // laid out as stat_batch_stride and cuda::dq_accum_row_stride() say: atomically, or (also
+  // dq_semaphore_ptr: deterministic) in a fixed order of the key blocks.
   float* __restrict__ dk_accum_ptr = nullptr;
   float* __restrict__ dv_accum_ptr = nullptr;
   float* __restrict__ dq_accum_ptr = nullptr;
   bool dq_accum_swizzled = false;  // set by the kernel that wrote it (cuda::dq_accum_col)
+  // CUDA, deterministic: one zeroed counter per 64-row query block of the stat rows (row r's at
+  // r / 64), which orders the key blocks' dQ additions (the sm90 backward; where that does not
+  // apply, the launcher clears both pointers and runs the dQ kernel instead).
+  int* __restrict__ dq_semaphore_ptr = nullptr;
   int num_splits = 1;
 
   // CUDA: where row i of head (b, h) lies in the per-row buffers above (D, the base-2 logsumexp

@@ -5,7 +5,7 @@ tiles forced, FLASH_ATTN_SM90_FWD_ROWS=192) and (FLASH_ATTN_DISABLE_SM90=1) the 
 dense,
 block-sparse (a random 128 x 128 layout with an empty query block), varlen (packed sequences of
 lengths 0 to 200, the last one ending at the tensor's end) and score modifiers (a broadcast bias
-with its gradient, ALiBi, softcap), atomic and deterministic dQ; KV-cache reads (flash_attn_with_kvcache
+with its gradient, ALiBi, softcap), atomic and deterministic dQ (dense and varlen); KV-cache reads (flash_attn_with_kvcache
 with an append, cache_batch_idx and cache_leftpad, the last entry's keys ending at the cache's end;
 decoding tiles with and without split-KV, the GQA fold, a prefill; a paged cache, also under
 flash_attn_varlen_func).
@@ -49,6 +49,7 @@ for portable, sync, rows in (("0", "0", ""), ("0", "0", "192"), ("0", "1", ""), 
                                for _ in range(3)]
                     out, _, _ = flash_attn_func(q, k, v, dropout_p=dropout_p, causal=causal, return_attn_probs=True)
                     out.sum().backward()
+                    flash_attn_func(q, k, v, dropout_p=dropout_p, causal=causal, deterministic=True).sum().backward()
                     # A decoding shape (3 queries over 2000 keys, 2 heads): the split forward and the merge.
                     q, k, v = [torch.randn(1, n, 2, d, device="cuda", dtype=dtype, requires_grad=True)
                                for n in (3, 2000, 2000)]

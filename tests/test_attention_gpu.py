@@ -159,7 +159,8 @@ def test_hopper_kernels_run_on_sm90(monkeypatch):
     # Without dropout the forward runs the warp-specialized wgmma kernel (TMA loads), and so does
     # the (non-deterministic) backward at head dims 32, 64, 96 and 128 (warp-specialized, keys
     # split over warpgroups) and 192 and 256 (head dim split); FLASH_ATTN_DISABLE_SM90, dropout and
-    # deterministic=True select the portable ones, as do head dims 160 and 224.
+    # (above head dim 128) deterministic=True select the portable ones, as do head dims 160 and 224
+    # (test_deterministic_gpu.py: the deterministic sm90 backward).
     fwd_kernel = "flash_fwd_sm90_ws_kernel"
     ws, split_d = "flash_bwd_sm90_ws_kernel", "flash_bwd_sm90_split_d_kernel"
     for d, bwd_kernel in ((32, ws), (64, ws), (96, ws), (128, ws), (160, None), (192, split_d), (256, split_d)):
@@ -168,7 +169,7 @@ def test_hopper_kernels_run_on_sm90(monkeypatch):
         assert any(fwd_kernel + "<" in n for n in names), names
         sm90_bwd = [n for n in names if "flash_bwd_sm90" in n]
         assert (bwd_kernel is None and not sm90_bwd) or (sm90_bwd and all(bwd_kernel + "<" in n for n in sm90_bwd)), names
-    names = kernel_names(lambda: flash_attn_func(q, k, v, deterministic=True).sum().backward())
+    names = kernel_names(lambda: flash_attn_func(q, k, v, deterministic=True).sum().backward())  # (d = 256)
     assert not any("flash_bwd_sm90" in n for n in names) and any("flash_bwd_dq_kernel" in n for n in names)
     names = kernel_names(lambda: flash_attn_func(q, k, v, dropout_p=0.1).sum().backward())
     assert not any("sm90" in n for n in names) and any("flash_fwd_kernel" in n for n in names)
@@ -291,7 +292,8 @@ def test_cuda_matches_cpu(dropout_p):
         torch.testing.assert_close(lse.cpu(), cpu_lse, atol=1e-3, rtol=1e-3)
 
 
-# deterministic=True takes another dQ path (its own kernel instead of atomics): same grid of checks.
+# deterministic=True takes another dQ path (ordered additions on sm90, else its own kernel instead
+# of atomics): same grid of checks.
 @pytest.mark.parametrize("d", HEAD_DIMS)
 @pytest.mark.parametrize("causal,dropout_p", [(False, 0.0), (True, 0.0), (True, 0.17)])
 @pytest.mark.parametrize("sq,sk", [(17, 113), (300, 257)])
@@ -309,22 +311,27 @@ def test_deterministic_backward():
         assert torch.equal(a, b)
 
 
-def test_global_deterministic_mode_selects_the_deterministic_backward():
+@pytest.mark.parametrize("d", [64, 256])
+def test_global_deterministic_mode_selects_the_deterministic_backward(d):
     # torch.use_deterministic_algorithms(True) gives deterministic=False the deterministic backward
-    # (its dQ kernel, no atomics): the kernels that run and the gradients, bit for bit.
-    q, k, v = make(2, 600, 600, 4, 2, 64, torch.bfloat16)
+    # (ordered dQ on sm90 up to head dim 128, else its dQ kernel): the kernels that run and the
+    # gradients, bit for bit.
+    q, k, v = make(2, 600, 600, 4, 2, d, torch.bfloat16)
     dout = torch.randn_like(q)
     grads = lambda **kw: torch.autograd.grad(flash_attn_func(q, k, v, causal=True, **kw), (q, k, v), dout)  # noqa: E731
     explicit = grads(deterministic=True)
-    assert not any("flash_bwd_dq_kernel" in n for n in kernel_names(grads))
+    kernels = lambda **kw: sorted({n for n in kernel_names(lambda: grads(**kw)) if "flash" in n})  # noqa: E731
+    assert not any("flash_bwd_dq_kernel" in n for n in kernels())
     before = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(True)
     try:
-        names = kernel_names(grads)
+        names = kernels()
         implied = grads()
     finally:
         torch.use_deterministic_algorithms(before)
-    assert any("flash_bwd_dq_kernel" in n for n in names), names
+    assert names == kernels(deterministic=True), names
+    ordered = torch.cuda.get_device_capability()[0] == 9 and d <= 128
+    assert any("flash_bwd_dq_kernel" in n for n in names) != ordered, names
     for a, b in zip(explicit, implied):
         assert torch.equal(a, b)
 

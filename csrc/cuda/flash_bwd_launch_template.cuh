@@ -1,5 +1,5 @@
 // Backward launcher: the D pre-pass, the main kernel (the sm90 one where it applies; with atomic
-// dQ, or with the dQ kernel when deterministic) and the dQ conversion. Instantiated once per
+// dQ, or deterministic with ordered dQ on sm90 or the dQ kernel elsewhere) and the dQ conversion. Instantiated once per
 // (dtype, head dim) by the generated files in instantiations/.
 #pragma once
 
@@ -31,15 +31,27 @@ template <typename Elem, int kHeadDim>
 bool try_sm90_bwd(BwdParams& p, cudaStream_t stream) {
 #ifdef FLASH_ATTN_WITH_SM90
   if constexpr (hopper::has_sm90_bwd<kHeadDim>) return hopper::run_mha_bwd_sm90_<Elem, kHeadDim>(p, stream);
-  return false;
-#else
-  return false;
 #endif
+  return false;
+}
+
+// Ordered (deterministic) dQ additions are the sm90 kernel's alone: elsewhere the dQ kernel runs,
+// and the pre-pass need not zero the accumulator.
+template <typename Elem, int kHeadDim>
+void drop_ordered_dq_unless_sm90(BwdParams& p) {
+  if (p.dq_semaphore_ptr == nullptr) return;
+#ifdef FLASH_ATTN_WITH_SM90
+  if constexpr (hopper::has_sm90_bwd<kHeadDim>)
+    if (hopper::sm90_bwd_applies<Elem, kHeadDim>(p)) return;
+#endif
+  p.dq_semaphore_ptr = nullptr;
+  p.dq_accum_ptr = nullptr;
 }
 
 template <typename Elem, int kHeadDim>
 void run_mha_bwd_(BwdParams& p, cudaStream_t stream) {
   if (p.b == 0 || p.seqlen_q == 0 || p.seqlen_k == 0) return;  // the op layer zero-fills
+  drop_ordered_dq_unless_sm90<Elem, kHeadDim>(p);
   constexpr int kThreads = kBwdRowKernelThreads;
   flash_bwd_dot_do_o_kernel<Elem, kHeadDim>
       <<<dim3(unsigned(padded_query_rows(p.seqlen_q) / kDotDoORows), p.h, p.b), kThreads, 0, stream>>>(p);
@@ -52,7 +64,7 @@ void run_mha_bwd_(BwdParams& p, cudaStream_t stream) {
     using T = BwdConfig<Elem, kHeadDim, true>;
     static_assert(kDqAccumRowPad % T::kBlockM == 0, "padded_query_rows() pads rows to the main kernel's query block");
     bool ran = try_sm90_bwd<Elem, kHeadDim>(p, stream);
-    if (!ran && T::kSmemBytes <= smem) {
+    if (!ran && p.dq_semaphore_ptr == nullptr && T::kSmemBytes <= smem) {
       if (p.p_dropout > 0.f) launch<T>(&flash_bwd_dkdv_kernel<T, true>, main_grid(T::kBlockN), p, stream);
       else launch<T>(&flash_bwd_dkdv_kernel<T, false>, main_grid(T::kBlockN), p, stream);
       ran = true;

@@ -83,6 +83,8 @@ template <typename Elem, int kHeadDim>
 bool run_mha_fwd_sm90_(FwdParams& params, cudaStream_t stream);
 template <typename Elem, int kHeadDim>
 bool run_mha_bwd_sm90_(BwdParams& params, cudaStream_t stream);  // head dims with has_sm90_bwd only
+template <typename Elem, int kHeadDim>
+bool sm90_bwd_applies(const BwdParams& params);  // whether run_mha_bwd_sm90_ would run
 template <int kHeadDim>
 inline constexpr bool has_sm90_bwd = kHeadDim <= 128 || kHeadDim == 192 || kHeadDim == 256;
 }  // namespace flash::hopper

@@ -35,33 +35,44 @@ BwdSm90WsParams<T> bwd_ws_params(const BwdParams& p, int num_tiles, int* tile_co
                             tile_counter};
 }
 
-// Runs the backward's main kernel here and returns true where this path applies: an sm_90 GPU,
-// a head dim of has_sm90_bwd, the atomic dQ mode (dq_accum_ptr set, i.e. not deterministic), no
-// dropout, enough shared memory and FLASH_ATTN_DISABLE_SM90 unset; up to head dim 128 also
-// operands TMA can address (the op layer's cuda_operand makes them so) and the pre-pass's base-2
-// logsumexp. Otherwise returns false. The portable launcher runs the D pre-pass before and the dQ
-// conversion after; the warp-specialized kernel leaves dQ in the accumulator's swizzled layout,
-// which p then records for the conversion.
+// Whether the backward's main kernel runs here: an sm_90 GPU, a head dim of has_sm90_bwd, a dQ
+// accumulator (atomic adds; with dq_semaphore_ptr, deterministic, ordered ones, up to head dim
+// 128), no dropout, enough shared memory and FLASH_ATTN_DISABLE_SM90 unset; up to head dim 128
+// also operands TMA can address (the op layer's cuda_operand makes them so) and the pre-pass's
+// base-2 logsumexp.
 template <typename Elem, int kHeadDim>
-bool run_mha_bwd_sm90_(BwdParams& p, cudaStream_t stream) {
+bool sm90_bwd_applies(const BwdParams& p) {
   static_assert(has_sm90_bwd<kHeadDim>, "instantiated for the head dims of has_sm90_bwd only");
   using T = std::conditional_t<(kHeadDim <= 128), BwdSm90WsConfig<Elem, kHeadDim>, BwdSm90SplitDConfig<Elem, kHeadDim>>;
   // Score modifiers (score_mod.h): the warp-specialized kernel takes a bias and ALiBi; a cap (whose
   // derivative the dS step needs) and the split-d kernel's head dims run on the portable kernels.
   const bool mods_here = !p.score_mod || (kHeadDim <= 128 && p.softcap == 0.f && p.k_block_lists == nullptr);
+  const bool ordered = p.dq_semaphore_ptr != nullptr;
   if (!cuda::sm90_path_enabled() || p.dq_accum_ptr == nullptr || p.p_dropout > 0.f || !mods_here ||
-      T::kSmemBytes > cuda::smem_per_block_optin())
+      T::kSmemBytes > cuda::smem_per_block_optin() || (ordered && kHeadDim > 128))
     return false;
+  if constexpr (kHeadDim <= 128)
+    return p.softmax_lse_log2_ptr != nullptr && q_view(p).compatible() && do_view(p).compatible() &&
+           k_view(p).compatible() && v_view(p).compatible();
+  return true;
+}
+
+// Runs the backward's main kernel where sm90_bwd_applies and returns whether it did. The portable
+// launcher runs the D pre-pass before and the dQ conversion after; the warp-specialized kernel
+// leaves dQ in the accumulator's swizzled layout, which p then records for the conversion.
+template <typename Elem, int kHeadDim>
+bool run_mha_bwd_sm90_(BwdParams& p, cudaStream_t stream) {
+  using T = std::conditional_t<(kHeadDim <= 128), BwdSm90WsConfig<Elem, kHeadDim>, BwdSm90SplitDConfig<Elem, kHeadDim>>;
+  if (!sm90_bwd_applies<Elem, kHeadDim>(p)) return false;
   const dim3 grid((p.seqlen_k + T::kBlockN - 1) / T::kBlockN, p.h, p.b);
   const bool sparse = p.k_block_lists != nullptr;
   if constexpr (kHeadDim <= 128) {
-    if (p.softmax_lse_log2_ptr == nullptr || !q_view(p).compatible() || !do_view(p).compatible() ||
-        !k_view(p).compatible() || !v_view(p).compatible())
-      return false;
     // Persistent over (key block, head, batch) tiles (cuda::persistent_grid);
-    // FLASH_ATTN_SM90_BWD_PERSISTENT=0 launches a CTA per tile instead, =n at most n CTAs.
+    // FLASH_ATTN_SM90_BWD_PERSISTENT=0 launches a CTA per tile instead, =n at most n CTAs. Ordered
+    // dQ claims every tile from the counter, on at most a CTA per SM (see the kernel).
     const int64_t num_tiles = int64_t(grid.x) * grid.y * grid.z;
-    const cuda::PersistentGrid pg = cuda::persistent_grid(num_tiles, "FLASH_ATTN_SM90_BWD_PERSISTENT", stream);
+    const bool ordered = p.dq_semaphore_ptr != nullptr;
+    const cuda::PersistentGrid pg = cuda::persistent_grid(num_tiles, "FLASH_ATTN_SM90_BWD_PERSISTENT", stream, ordered);
     const BwdSm90WsParams<T> args = bwd_ws_params<T>(p, int(num_tiles), pg.counter_ptr());
     // dK and dV rows leave by bulk copies (16-byte aligned; the op layer allocates them so).
     const auto aligned = [](const void* ptr, int64_t batch, int64_t row, int64_t head) {

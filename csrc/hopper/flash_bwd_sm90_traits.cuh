@@ -34,8 +34,8 @@ struct BwdSm90WsTraits {
   static_assert(kHeadDim % 32 == 0 && kHeadDim <= 128, "tile shapes");
   // Named barriers (ids past those CUTLASS reserves): dS complete (per warpgroup when dQ is split
   // along the keys: ids 1 and 2); dQ tiles written; dQ tiles read; the last tile's dK and dV read
-  // out of shared memory.
-  static constexpr int kBarDsReady = 1, kBarDqFull = 3, kBarDqEmpty = 4, kBarStagedRead = 5;
+  // out of shared memory; warpgroup 1's dQ partial sum written (ordered dQ split along the keys).
+  static constexpr int kBarDsReady = 1, kBarDqFull = 3, kBarDqEmpty = 4, kBarStagedRead = 5, kBarDqPair = 6;
 
   using _D = cute::Int<kHeadDim>;
   using _M = cute::Int<kBlockM>;

@@ -11,6 +11,9 @@
 //   layout) and a second producer warp adds the whole tile into the accumulator with one bulk
 //   reduction (cp.reduce.async.bulk), instead of one float2 atomic per pair of values;
 // - dK and dV leave through shared memory too, a bulk copy per row (store_dk_dv_staged).
+// Deterministic (BwdParams::dq_semaphore_ptr: ordered dQ), the key blocks that visit a query block
+// add into it one after another (dq_turn), and the two warpgroups' partial sums, where the keys
+// split dQ, are added in shared memory first.
 #pragma once
 
 #include <cutlass/arch/barrier.h>
@@ -64,6 +67,45 @@ __device__ __forceinline__ void bulk_store(void* dst, uint32_t src, int bytes) {
 // writes), before the CTA's shared memory goes away.
 __device__ __forceinline__ void bulk_wait_all() { asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory"); }
 
+// Ordered dQ: the key blocks that visit query block m take turns at adding into its rows, last key
+// block first. Under a causal mask (or a window) that is the order they reach it in (the later a
+// key block, the later the first query block it visits), so a turn is rarely waited for. The
+// geometry's key blocks for m are a contiguous run (the visible region is a band) and n is in it;
+// key block n's turn is the number of them after n, counting only the kept ones under a block
+// mask (a key block is a mask block). Every lane of the warp calls it (they split the mask row).
+template <int kM, int kN>
+__device__ __forceinline__ int dq_turn(const FwdParams& p, int b, int h, int n, int m) {
+  static_assert(kN == kMaskBlock, "a key block is one mask block");
+  int lo = n, hi = (p.seqlen_k + kN - 1) / kN - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    int mb_begin, mb_end;
+    cuda::query_block_range<kM, kN>(p, mid * kN, mb_begin, mb_end);
+    if (mb_begin <= m && m < mb_end) lo = mid;
+    else hi = mid - 1;
+  }
+  const int32_t* kept = kept_key_blocks(p, b, h, m * kM / kMaskBlock);
+  if (kept == nullptr) return lo - n;
+  int after = 0;
+  for (int i = threadIdx.x % 32; i < kept[0]; i += 32) after += n < kept[1 + i] && kept[1 + i] <= lo;
+  return __reduce_add_sync(0xffffffffu, after);
+}
+
+// Wait until the counter at turns reaches turn (acquire: the adds of earlier turns are visible);
+// pass_turn hands it to the next key block (release, after this one's adds are complete).
+__device__ __forceinline__ void wait_turn(const int* turns, int turn) {
+  int v;
+  do {
+    asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(v) : "l"(turns) : "memory");
+  } while (v != turn);
+}
+__device__ __forceinline__ void pass_turn(int* turns) {
+  asm volatile("red.release.gpu.global.add.s32 [%0], 1;\n" ::"l"(turns) : "memory");
+}
+
+// Orders this thread's generic-proxy accesses to global memory with its bulk (async-proxy) ones.
+__device__ __forceinline__ void fence_proxy_async_global() { asm volatile("fence.proxy.async.global;\n" ::: "memory"); }
+
 // A 32-bit store to a shared-memory address (st.shared: no generic-address arithmetic).
 __device__ __forceinline__ void st_shared_u32(uint32_t addr, uint32_t v) {
   asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(v) : "memory");
@@ -114,6 +156,8 @@ __device__ __forceinline__ void store_dk_dv_staged(const BwdParams& p, int b, in
 // written, and its first query blocks while this one's last steps run. Every role walks the same
 // tiles through two schedule slots; step, K/V and slot counts carry over from tile to tile, so
 // every barrier's phase follows from them (a fresh barrier passes a wait on parity 1 at once).
+// Ordered dQ walks each head's key blocks last first and claims every tile from the counter
+// (cuda::persistent_grid's claim_all), so a turn is only ever waited for from a tile claimed later.
 template <typename T, bool kBlockSparse, bool kScoreMod = false>
 __global__ void __launch_bounds__(T::kNThreads, 1) flash_bwd_sm90_ws_kernel(const __grid_constant__ BwdSm90WsParams<T> args) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -152,6 +196,7 @@ __global__ void __launch_bounds__(T::kNThreads, 1) flash_bwd_sm90_ws_kernel(cons
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int num_n_blocks = (args.p.seqlen_k + kN - 1) / kN;
+  const bool ordered = args.p.dq_semaphore_ptr != nullptr;
   if (tid == 0) {
     cute::prefetch_tma_descriptor(args.tma_k.get_tma_descriptor());
     cute::prefetch_tma_descriptor(args.tma_v.get_tma_descriptor());
@@ -183,11 +228,11 @@ __global__ void __launch_bounds__(T::kNThreads, 1) flash_bwd_sm90_ws_kernel(cons
   if (warp < 4) {  // producer warpgroup
     cutlass::arch::warpgroup_reg_dealloc<T::kProducerRegs>();
     if (warp == 0) {  // schedule and loads: lane 0 issues every copy (the lanes count tile lists together)
-      int t = blockIdx.x, kv_count = 0;
+      int t = ordered ? claim_tile(args.tile_counter) : int(blockIdx.x), kv_count = 0;
       cutlass::PipelineState<kStages> qst;  // the next step's stage (Q, dO and their statistics)
       for (int j = 0;; ++j) {
         const bool last = t >= args.num_tiles;
-        const GridTile tile = grid_tile<false>(last ? 0 : t, num_n_blocks, args.p.h);
+        const GridTile tile = grid_tile(last ? 0 : t, num_n_blocks, args.p.h, ordered);
         const int j0 = tile.block * kN, h = tile.h, b = tile.b;
         const BwdParams p = seq_view(args.p, b);
         const bool has_keys = !last && j0 < p.seqlen_k;  // (varlen: past this sequence's keys)
@@ -239,27 +284,40 @@ __global__ void __launch_bounds__(T::kNThreads, 1) flash_bwd_sm90_ws_kernel(cons
             }
           }
         }
-        t = claim_next_tile(args.num_tiles, args.tile_counter);  // once this tile's loads are queued
+        // once this tile's loads are queued
+        t = ordered ? claim_tile(args.tile_counter) : claim_next_tile(args.num_tiles, args.tile_counter);
       }
     } else if (warp == 1) {  // dQ: each step's tile from shared memory into the accumulator
       for (int j = 0;; ++j) {
         const BwdSchedSlot slot = take_slot(j);
         if (slot.t >= args.num_tiles) break;
-        const GridTile tile = grid_tile<false>(slot.t, num_n_blocks, args.p.h);
+        const GridTile tile = grid_tile(slot.t, num_n_blocks, args.p.h, ordered);
         const BwdParams p = seq_view(args.p, tile.b);
         if (tile.block * kN >= p.seqlen_k) continue;
         float* dq_accum = bwd_head_ptrs<Elem, kD, kM>(p, tile.b, tile.h).dq_accum;
+        int* turns = ordered ? p.dq_semaphore_ptr + stat_row(p, tile.b, tile.h) / kM : nullptr;
         for (int it = 0; it < slot.tiles.count; ++it) {
+          const int mb = slot.tiles[it];
+          if (ordered) {  // while the MMAs run
+            const int turn = dq_turn<kM, kN>(p, tile.b, tile.h, tile.block, mb);
+            if (lane == 0) wait_turn(turns + mb, turn);
+            __syncwarp();
+          }
           NamedBarrier::sync(T::kNConsumerThreads + 32, T::kBarDqFull);
           if (lane == 0) {
-            for (int q = 0; q < T::kDqTiles; ++q)
-              bulk_reduce_add_f32(dq_accum + int64_t(slot.tiles[it]) * kM * kD, sdQ + q * kM * kD,
-                                  kM * kD * int(sizeof(float)));
+            if (ordered) fence_proxy_async_global();  // the earlier turns' adds before this one's
+            for (int q = 0; q < (ordered ? 1 : T::kDqTiles); ++q)  // (ordered: one tile, see the MMA warpgroups)
+              bulk_reduce_add_f32(dq_accum + int64_t(mb) * kM * kD, sdQ + q * kM * kD, kM * kD * int(sizeof(float)));
             tma_store_arrive();
             tma_store_wait<0>();  // the tile has been read
           }
           __syncwarp();
           NamedBarrier::arrive(T::kNConsumerThreads + 32, T::kBarDqEmpty);
+          if (ordered && lane == 0) {  // the next turn, once the adds are complete
+            bulk_wait_all();
+            fence_proxy_async_global();
+            pass_turn(turns + mb);
+          }
         }
       }
       if (lane == 0) bulk_wait_all();
@@ -335,7 +393,7 @@ __global__ void __launch_bounds__(T::kNThreads, 1) flash_bwd_sm90_ws_kernel(cons
     const BwdSchedSlot slot = take_slot(j);
     if (slot.t >= args.num_tiles) break;
     const TileSeq& tiles = slot.tiles;
-    const GridTile tile = grid_tile<false>(slot.t, num_n_blocks, args.p.h);
+    const GridTile tile = grid_tile(slot.t, num_n_blocks, args.p.h, ordered);
     const int j0 = tile.block * kN, h = tile.h, b = tile.b;
     const BwdParams p = seq_view(args.p, b);
     if (j0 >= p.seqlen_k) continue;  // varlen: past this sequence's keys
@@ -389,6 +447,22 @@ __global__ void __launch_bounds__(T::kNThreads, 1) flash_bwd_sm90_ws_kernel(cons
       wgmma_wait<1>(tdVrdV, tKVrP, tdQrdQ);
 
       if (it > 0) NamedBarrier::sync(T::kNConsumerThreads + 32, T::kBarDqEmpty);  // the last tiles have been read
+      // Ordered dQ with the keys split: warpgroup 1 leaves its partial sum in its tile, and
+      // warpgroup 0 (whose threads hold the same elements) adds it to its own, leaving one tile.
+      const bool pair_sum = T::kDqSplitK && ordered;
+      if (pair_sum && wg == 0) {
+        NamedBarrier::sync(T::kNConsumerThreads, T::kBarDqPair);
+#pragma unroll
+        for (int hr = 0; hr < 2; ++hr) {
+          const float* row = dq_tile + kM * kD + (dq_row16 + g + 8 * hr) * kD;
+#pragma unroll
+          for (int nt = 0; nt < T::kDqN / 8; ++nt) {
+            const float2 other = *reinterpret_cast<const float2*>(row + cuda::dq_accum_col(true, g, nt * 8 + 2 * t, kD));
+            dq[nt][2 * hr] += other.x;
+            dq[nt][2 * hr + 1] += other.y;
+          }
+        }
+      }
 #pragma unroll
       for (int hr = 0; hr < 2; ++hr) {
         float* row = dq_tile + (dq_row16 + g + 8 * hr) * kD;
@@ -397,6 +471,7 @@ __global__ void __launch_bounds__(T::kNThreads, 1) flash_bwd_sm90_ws_kernel(cons
           *reinterpret_cast<float2*>(row + cuda::dq_accum_col(true, g, dq_col0 + nt * 8 + 2 * t, kD)) =
               make_float2(dq[nt][2 * hr], dq[nt][2 * hr + 1]);
       }
+      if (pair_sum && wg == 1) NamedBarrier::arrive(T::kNConsumerThreads, T::kBarDqPair);
       fence_proxy_async_smem();
       NamedBarrier::arrive(T::kNConsumerThreads + 32, T::kBarDqFull);
       // This stage's Q, dO and statistics are no longer read once dK is done. One lane arrives for

@@ -9,10 +9,13 @@ namespace flash::hopper {
 struct GridTile {
   int block, h, b;
 };
+__device__ __forceinline__ GridTile grid_tile(int t, int num_blocks, int heads, bool last_block_first) {
+  const int bh = t / num_blocks, block = t - bh * num_blocks;
+  return GridTile{last_block_first ? num_blocks - 1 - block : block, bh % heads, bh / heads};
+}
 template <bool kLastBlockFirst>
 __device__ __forceinline__ GridTile grid_tile(int t, int num_blocks, int heads) {
-  const int bh = t / num_blocks, block = t - bh * num_blocks;
-  return GridTile{kLastBlockFirst ? num_blocks - 1 - block : block, bh % heads, bh / heads};
+  return grid_tile(t, num_blocks, heads, kLastBlockFirst);
 }
 
 // The next tile of a warp's CTA: the CTA that gets there first claims it from the counter
@@ -21,6 +24,14 @@ __device__ __forceinline__ GridTile grid_tile(int t, int num_blocks, int heads) 
 __device__ __forceinline__ int claim_next_tile(int num_tiles, int* counter) {
   int t = num_tiles;
   if (threadIdx.x % 32 == 0 && num_tiles > int(gridDim.x)) t = atomicAdd(counter, 1) + int(gridDim.x);
+  return __shfl_sync(0xffffffffu, t, 0);
+}
+
+// The same where every tile, the first included, is claimed from the counter (claim_all in
+// cuda::persistent_grid): tiles are then claimed in order by CTAs that are running.
+__device__ __forceinline__ int claim_tile(int* counter) {
+  int t = 0;
+  if (threadIdx.x % 32 == 0) t = atomicAdd(counter, 1);
   return __shfl_sync(0xffffffffu, t, 0);
 }
 

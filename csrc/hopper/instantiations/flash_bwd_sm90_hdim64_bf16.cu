@@ -2,5 +2,6 @@
 #include "../flash_bwd_sm90_launch_template.cuh"
 
 namespace flash::hopper {
+template bool sm90_bwd_applies<__nv_bfloat16, 64>(const BwdParams&);
 template bool run_mha_bwd_sm90_<__nv_bfloat16, 64>(BwdParams&, cudaStream_t);
 }  // namespace flash::hopper
