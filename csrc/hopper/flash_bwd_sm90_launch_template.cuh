@@ -22,6 +22,10 @@ using BwdSm90WsConfig = BwdSm90WsTraits<Elem, kHeadDim>;
 template <typename Elem, int kHeadDim>
 using BwdSm90SplitDConfig = BwdSm90SplitDTraits<Elem, kHeadDim, kHeadDim % 128 == 0 ? 128 : 64>;
 
+template <typename Elem, int kHeadDim>
+using BwdSm90Config =
+    std::conditional_t<(kHeadDim <= 128), BwdSm90WsConfig<Elem, kHeadDim>, BwdSm90SplitDConfig<Elem, kHeadDim>>;
+
 template <typename T>
 BwdSm90WsParams<T> bwd_ws_params(const BwdParams& p, int num_tiles, int* tile_counter) {
   using CElem = typename T::CElem;
@@ -43,7 +47,7 @@ BwdSm90WsParams<T> bwd_ws_params(const BwdParams& p, int num_tiles, int* tile_co
 template <typename Elem, int kHeadDim>
 bool sm90_bwd_applies(const BwdParams& p) {
   static_assert(has_sm90_bwd<kHeadDim>, "instantiated for the head dims of has_sm90_bwd only");
-  using T = std::conditional_t<(kHeadDim <= 128), BwdSm90WsConfig<Elem, kHeadDim>, BwdSm90SplitDConfig<Elem, kHeadDim>>;
+  using T = BwdSm90Config<Elem, kHeadDim>;
   // Score modifiers (score_mod.h): the warp-specialized kernel takes a bias and ALiBi; a cap (whose
   // derivative the dS step needs) and the split-d kernel's head dims run on the portable kernels.
   const bool mods_here = !p.score_mod || (kHeadDim <= 128 && p.softcap == 0.f && p.k_block_lists == nullptr);
@@ -62,7 +66,7 @@ bool sm90_bwd_applies(const BwdParams& p) {
 // leaves dQ in the accumulator's swizzled layout, which p then records for the conversion.
 template <typename Elem, int kHeadDim>
 bool run_mha_bwd_sm90_(BwdParams& p, cudaStream_t stream) {
-  using T = std::conditional_t<(kHeadDim <= 128), BwdSm90WsConfig<Elem, kHeadDim>, BwdSm90SplitDConfig<Elem, kHeadDim>>;
+  using T = BwdSm90Config<Elem, kHeadDim>;
   if (!sm90_bwd_applies<Elem, kHeadDim>(p)) return false;
   const dim3 grid((p.seqlen_k + T::kBlockN - 1) / T::kBlockN, p.h, p.b);
   const bool sparse = p.k_block_lists != nullptr;

@@ -15,7 +15,8 @@ namespace flash::hopper {
 //    memory), so P^T and dS^T come out in registers as the A operands of
 //  dV += P^T dO and dK += dS^T Q (64 keys x d; B = MN-major views of the dO and Q tiles);
 //  dQ = dS K (kBlockM x d) reads dS^T through shared memory (an MN-major A operand, two buffers)
-//    and K^T as an MN-major view of the K tile, into float32 tiles in shared memory. The
+//    and K^T as an MN-major view of the K tile, into float32 tiles in shared memory (one or two
+//    buffers of them). The
 //    warpgroups split it along d where each half is whole 64-column swizzle atoms (kDqSplitN),
 //    else (head dims 32, 64, 96) along the keys: each warpgroup its own 64 keys' partial sum in
 //    its own tile (both tiles are reduced into the accumulator).
@@ -33,9 +34,15 @@ struct BwdSm90WsTraits {
   static constexpr int kDqN = kDqSplitN ? kHeadDim / kNWarpGroups : kHeadDim, kDqTiles = kDqSplitK ? 2 : 1;
   static_assert(kHeadDim % 32 == 0 && kHeadDim <= 128, "tile shapes");
   // Named barriers (ids past those CUTLASS reserves): dS complete (per warpgroup when dQ is split
-  // along the keys: ids 1 and 2); dQ tiles written; dQ tiles read; the last tile's dK and dV read
-  // out of shared memory; warpgroup 1's dQ partial sum written (ordered dQ split along the keys).
-  static constexpr int kBarDsReady = 1, kBarDqFull = 3, kBarDqEmpty = 4, kBarStagedRead = 5, kBarDqPair = 6;
+  // along the keys: ids 1 and 2); the last tile's dK and dV read out of shared memory.
+  static constexpr int kBarDsReady = 1, kBarStagedRead = 5;
+  // dQ goes through kDqBuffers sets of tiles in shared memory (ordered dQ uses both, atomic dQ
+  // one; flash_bwd_sm90_ws_kernel.cuh says why). Per buffer, hardware barrier ids
+  // (below CUTLASS's named-barrier range, which starts at 8): its tiles written; read; warpgroup 1's
+  // partial sum written (ordered dQ split along the keys).
+  static constexpr int kDqBuffers = 2;
+  static constexpr int kHwBarDqFull = 1, kHwBarDqEmpty = 1 + kDqBuffers, kHwBarDqPair = 1 + 2 * kDqBuffers;
+  static_assert(kHwBarDqPair + kDqBuffers <= 8, "hardware barrier ids below CUTLASS's named barriers");
 
   using _D = cute::Int<kHeadDim>;
   using _M = cute::Int<kBlockM>;
@@ -88,11 +95,13 @@ struct BwdSm90WsTraits {
   // more): rows of kHeadDim 16-bit values padded by 16 bytes, so that the accumulator fragments'
   // 4-byte writes (8 rows x 4 columns per warp) hit 32 different banks.
   static constexpr int kStagedRowBytes = kHeadDim * 2 + 16, kStagedBytes = 2 * kBlockN * kStagedRowBytes;
-  static constexpr int kDqRegionBytes = cute::max(kDqTiles * kBlockM * kHeadDim * int(sizeof(float)),
+  static constexpr int kDqBufferFloats = kDqTiles * kBlockM * kHeadDim;
+  static constexpr int kDqRegionBytes = cute::max(kDqBuffers * kDqBufferFloats * int(sizeof(float)),
                                                   kStagedBytes - kSmemdS2 * int(sizeof(CElem)));
   static constexpr int kSmemBytes = (2 * kSmemQ + 2 * kSmemK + kSmemdS2) * int(sizeof(CElem)) + kDqRegionBytes +
                                     2 * kStages * kBlockM * int(sizeof(float)) + kNBarriers * 8 +
                                     2 * kSchedSlotBytes + kSmemAlign;
+  static_assert(kSmemBytes <= 227 * 1024, "an sm90 CTA's shared memory");
 };
 
 // Head dims above 128, where 128 keys' dK and dV accumulators would not fit in registers: one CTA
