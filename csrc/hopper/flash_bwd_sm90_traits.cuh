@@ -16,10 +16,9 @@ namespace flash::hopper {
 //  dV += P^T dO and dK += dS^T Q (64 keys x d; B = MN-major views of the dO and Q tiles);
 //  dQ = dS K (kBlockM x d) reads dS^T through shared memory (an MN-major A operand, two buffers)
 //    and K^T as an MN-major view of the K tile, into float32 tiles in shared memory (one or two
-//    buffers of them). The
-//    warpgroups split it along d where each half is whole 64-column swizzle atoms (kDqSplitN),
-//    else (head dims 32, 64, 96) along the keys: each warpgroup its own 64 keys' partial sum in
-//    its own tile (both tiles are reduced into the accumulator).
+//    buffers of them). The warpgroups split it along d where each half is whole 64-column swizzle
+//    atoms (kDqSplitN), else (head dims 32, 64, 96) along the keys: each warpgroup its own 64
+//    keys' partial sum in its own tile (both tiles are reduced into the accumulator).
 template <typename Elem_, int kHeadDim_>
 struct BwdSm90WsTraits {
   using Elem = Elem_;
