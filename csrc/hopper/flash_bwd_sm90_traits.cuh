@@ -41,6 +41,7 @@ struct BwdSm90WsTraits {
   // partial sum written (ordered dQ split along the keys).
   static constexpr int kDqBuffers = 2;
   static constexpr int kHwBarDqFull = 1, kHwBarDqEmpty = 1 + kDqBuffers, kHwBarDqPair = 1 + 2 * kDqBuffers;
+  static constexpr int kDqBarThreads = kNConsumerThreads + 32;  // a buffer's Full/Empty: MMA warps and its dQ warp
   static_assert(kHwBarDqPair + kDqBuffers <= 8, "hardware barrier ids below CUTLASS's named barriers");
 
   using _D = cute::Int<kHeadDim>;

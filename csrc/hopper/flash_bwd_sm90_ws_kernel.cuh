@@ -302,7 +302,6 @@ __global__ void __launch_bounds__(T::kNThreads, 1) flash_bwd_sm90_ws_kernel(cons
         t = ordered ? claim_tile(args.tile_counter) : claim_next_tile(args.num_tiles, args.tile_counter);
       }
     } else if (warp <= dq_buffers) {  // dQ: each step's tile from shared memory into the accumulator
-      const int dq_bar_threads = T::kNConsumerThreads + 32;
       int step = 0;  // as the MMA warpgroups count them; this warp takes those of its buffer
       for (int j = 0;; ++j) {
         const BwdSchedSlot slot = take_slot(j);
@@ -321,7 +320,7 @@ __global__ void __launch_bounds__(T::kNThreads, 1) flash_bwd_sm90_ws_kernel(cons
             if (lane == 0) wait_turn(turns + mb, turn);
             __syncwarp();
           }
-          hw_bar_sync(T::kHwBarDqFull + dqb, dq_bar_threads);
+          hw_bar_sync(T::kHwBarDqFull + dqb, T::kDqBarThreads);
           if (lane == 0) {
             if (ordered) fence_proxy_async_global();  // the earlier turns' adds before this one's
             const float* src = sdQ + dqb * T::kDqBufferFloats;
@@ -331,7 +330,7 @@ __global__ void __launch_bounds__(T::kNThreads, 1) flash_bwd_sm90_ws_kernel(cons
             tma_store_wait<0>();  // the tile has been read
           }
           __syncwarp();
-          hw_bar_arrive(T::kHwBarDqEmpty + dqb, dq_bar_threads);
+          hw_bar_arrive(T::kHwBarDqEmpty + dqb, T::kDqBarThreads);
           if (ordered && lane == 0) {  // the next turn, once the adds are complete
             bulk_wait_all();
             fence_proxy_async_global();
@@ -351,7 +350,6 @@ __global__ void __launch_bounds__(T::kNThreads, 1) flash_bwd_sm90_ws_kernel(cons
   // This thread's share of dQ (see BwdSm90WsTraits): rows, columns and tile.
   const int dq_row16 = (cwarp % 4) * 16, dq_col0 = T::kDqSplitN ? wg * T::kDqN : 0;
   float* dq_tiles = sdQ + (T::kDqSplitK ? wg * kM * kD : 0);  // (in buffer 0)
-  const int dq_bar_threads = T::kNConsumerThreads + 32;
 
   typename T::TiledMmaSdP mma_sdp;
   typename T::TiledMmadKV mma_dkv;
@@ -468,7 +466,7 @@ __global__ void __launch_bounds__(T::kNThreads, 1) flash_bwd_sm90_ws_kernel(cons
 
       const int dqb = step & (dq_buffers - 1);
       float* dq_tile = dq_tiles + dqb * T::kDqBufferFloats;
-      if (it >= dq_buffers) hw_bar_sync(T::kHwBarDqEmpty + dqb, dq_bar_threads);  // this buffer's last tiles read
+      if (it >= dq_buffers) hw_bar_sync(T::kHwBarDqEmpty + dqb, T::kDqBarThreads);  // this buffer's last tiles read
       // Ordered dQ with the keys split: warpgroup 1 leaves its partial sum in its tile, and
       // warpgroup 0 (whose threads hold the same elements) adds it to its own, leaving one tile.
       const bool pair_sum = T::kDqSplitK && ordered;
@@ -495,7 +493,7 @@ __global__ void __launch_bounds__(T::kNThreads, 1) flash_bwd_sm90_ws_kernel(cons
       }
       if (pair_sum && wg == 1) hw_bar_arrive(T::kHwBarDqPair + dqb, T::kNConsumerThreads);
       fence_proxy_async_smem();
-      hw_bar_arrive(T::kHwBarDqFull + dqb, dq_bar_threads);
+      hw_bar_arrive(T::kHwBarDqFull + dqb, T::kDqBarThreads);
       // This stage's Q, dO and statistics are no longer read once dK is done. One lane arrives for
       // the warp; the warp barrier orders the other lanes' reads of the statistics before that arrive.
       wgmma_wait<0>(tdKrdK, tKVrdS);
@@ -509,7 +507,7 @@ __global__ void __launch_bounds__(T::kNThreads, 1) flash_bwd_sm90_ws_kernel(cons
     // Once the dQ warps have read the last dQ tiles of every buffer (the barriers also wait for both
     // warpgroups, so no dQ MMA still reads dS), the staging area is free.
     for (int done = step - (tiles.count < dq_buffers ? tiles.count : dq_buffers); done < step; ++done)
-      hw_bar_sync(T::kHwBarDqEmpty + (done & (dq_buffers - 1)), dq_bar_threads);
+      hw_bar_sync(T::kHwBarDqEmpty + (done & (dq_buffers - 1)), T::kDqBarThreads);
     if (p.dk_accum_ptr != nullptr) {
       cuda::write_dk_dv_tile<Elem, kD>(p, b, h, j0 + key16, 0, dk, dv, lane);
     } else {
