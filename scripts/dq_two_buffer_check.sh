@@ -22,10 +22,11 @@ timeout 230 python3 -m pytest -q -m gpu tests -p no:cacheprovider \
 echo "gpu suite rc $?"; tail -4 $OUT/gpu_suite.txt
 fi
 has sanitize || exit 0
+source scripts/sanitizer.sh
 for which in dense blocksparse; do
-  timeout 55 compute-sanitizer --tool memcheck --error-exitcode 9 python3 scripts/sanitize_kernels.py $which \
+  timeout 55 $SANITIZER --tool memcheck --error-exitcode 9 python3 scripts/sanitize_kernels.py $which \
     > $OUT/memcheck_$which.log 2>&1
   echo "memcheck $which rc=$? $(grep -E 'ERROR SUMMARY' $OUT/memcheck_$which.log | tail -1)"
 done
-timeout 150 compute-sanitizer --tool racecheck python3 scripts/sanitize_kernels.py blocksparse > $OUT/racecheck.log 2>&1
+timeout 150 $SANITIZER --tool racecheck python3 scripts/sanitize_kernels.py blocksparse > $OUT/racecheck.log 2>&1
 echo "racecheck blocksparse rc=$? $(grep -E 'RACECHECK SUMMARY|ERROR SUMMARY' $OUT/racecheck.log | tail -1)"
