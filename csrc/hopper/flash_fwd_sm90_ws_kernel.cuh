@@ -66,7 +66,7 @@ __global__ void __launch_bounds__(T::kNThreads, 1) flash_fwd_sm90_ws_kernel(cons
   uint64_t* tail_full = sched_empty + 2;
   uint64_t* tail_empty = tail_full + 2;
   int* sched_tile = reinterpret_cast<int*>(tail_empty + 2);
-  int* tail_job = sched_tile + 2;  // per slot: V stage, valid rows (-1: no more)
+  int2* tail_job = reinterpret_cast<int2*>(sched_tile + 2);  // per slot: V stage, valid rows (-1: no more)
   Tensor sQ = make_tensor(make_smem_ptr(sq_ptr), typename T::SmemLayoutQs{});
   Tensor sK = make_tensor(make_smem_ptr(sk_ptr), typename T::SmemLayoutK{});
   Tensor sV = make_tensor(make_smem_ptr(sv_ptr), typename T::SmemLayoutV{});
@@ -112,7 +112,8 @@ __global__ void __launch_bounds__(T::kNThreads, 1) flash_fwd_sm90_ws_kernel(cons
     if (warp == 1) {
       for (int c = 0;; ++c) {
         Barrier::wait(tail_full + (c & 1), (c >> 1) & 1);
-        const int stage = tail_job[2 * (c & 1)], rows = tail_job[2 * (c & 1) + 1];
+        const int2 job = read_slot_lane0(tail_job[c & 1]);
+        const int stage = job.x, rows = job.y;
         if (rows < 0) break;
         for (int i = lane; i < (kN - rows) * (kD / 8); i += 32)  // 16-byte chunks (swizzling keeps them whole)
           *reinterpret_cast<uint4*>(&sV(rows + i / (kD / 8), i % (kD / 8) * 8, stage)) = make_uint4(0, 0, 0, 0);
@@ -130,8 +131,7 @@ __global__ void __launch_bounds__(T::kNThreads, 1) flash_fwd_sm90_ws_kernel(cons
     const auto send_tail = [&](int stage, int rows) {  // lane 0: the next tail slot's job
       const int slot = tail_count & 1;
       Barrier::wait(tail_empty + slot, ((tail_count >> 1) & 1) ^ 1);
-      tail_job[2 * slot] = stage;
-      tail_job[2 * slot + 1] = rows;
+      tail_job[slot] = make_int2(stage, rows);
       ++tail_count;
       return tail_full + slot;
     };
@@ -314,9 +314,8 @@ __global__ void __launch_bounds__(T::kNThreads, 1) flash_fwd_sm90_ws_kernel(cons
   for (int j = 0;; ++j) {
     release_o();
     Barrier::wait(sched_full + (j & 1), (j >> 1) & 1);
-    const int t = sched_tile[j & 1];
-    __syncwarp();
-    release(sched_empty + (j & 1));
+    const int t = read_slot_lane0(sched_tile[j & 1]);
+    release(sched_empty + (j & 1));  // (lane 0, which read the slot)
     if (t >= args.num_tiles) break;
     const GridTile tile = grid_tile<true>(t / splits, num_m_blocks, args.p.h);
     const int m0 = tile.block * kM, h = tile.h, b = tile.b, split = t % splits;

@@ -1,6 +1,9 @@
 // The tile schedule the persistent sm90 kernels share (the host side: cuda::persistent_grid).
 #pragma once
 
+#include <cstdint>
+#include <type_traits>
+
 namespace flash::hopper {
 
 // Tile t of a (block, head, batch) schedule, in the order a grid of CTAs with blockIdx.x = block
@@ -33,6 +36,27 @@ __device__ __forceinline__ int claim_tile(int* counter) {
   int t = 0;
   if (threadIdx.x % 32 == 0) t = atomicAdd(counter, 1);
   return __shfl_sync(0xffffffffu, t, 0);
+}
+
+// A schedule slot (shared memory) as every lane of the warp sees it: lane 0 reads it and passes it
+// on by shuffles. Lane 0 is also the lane whose mbarrier arrive hands the slot back, so its read
+// comes before that arrive in program order; when every lane read it, the other lanes' reads were
+// ordered only by a __syncwarp, which compute-sanitizer's racecheck does not count as ordering
+// them before another lane's arrive (it reported those reads against the next write of the slot).
+// Every lane calls it.
+template <typename T>
+__device__ __forceinline__ T read_slot_lane0(const T& slot) {
+  static_assert(std::is_trivially_copyable_v<T> && sizeof(T) % 4 == 0 && alignof(T) >= 4, "a slot of 32-bit words");
+  constexpr int kWords = sizeof(T) / 4;
+  // Word loads and a union, not memcpy: memcpy from the slot compiled to byte loads and a stack copy.
+  const uint32_t* words = reinterpret_cast<const uint32_t*>(&slot);
+  union {
+    T value;
+    uint32_t w[kWords];
+  } out;
+#pragma unroll
+  for (int i = 0; i < kWords; ++i) out.w[i] = __shfl_sync(0xffffffffu, threadIdx.x % 32 == 0 ? words[i] : 0u, 0);
+  return out.value;
 }
 
 }  // namespace flash::hopper
